@@ -1,0 +1,41 @@
+"""A small Python API over the same model code, for tests, notebooks and benchmarks.
+
+    model = load_model("model.h5")                     # one process, NumPy backend (or pass groups= for tp)
+    logits = prompt_logits(model, [[1, 2, 3], [4, 5]])  # [S, V]: each prompt's last-position logits
+    tokens = generate(model, prompts, max_new_tokens=8)  # greedy, ignoring EOS: generated ids per prompt
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backend.ops import StepLayout, make_ops
+from .checkpoint.format import open_checkpoint
+from .comm.group import Groups
+from .generate.engine import GenerationParams, StepTimes, generate_batch
+from .generate.kv_cache import KVCache
+from .generate.sampling import SamplingParams
+from .model.transformer import Decoder
+
+
+def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", backend: str = "numpy") -> Decoder:
+    with open_checkpoint(path) as ckpt:
+        return Decoder(make_ops(backend), groups or Groups(), ckpt.arch, dtype).load(ckpt)
+
+
+def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:
+    """Prefill all prompts as one packed step; logits [S, V] float32 at each prompt's last position."""
+    arch = model.arch
+    cache = KVCache(model.ops, arch.num_layers, len(prompts), model.kv_heads_local,
+                    max(len(p) for p in prompts), arch.head_dim)
+    step = StepLayout.build(range(len(prompts)), [0] * len(prompts), [len(p) for p in prompts])
+    tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+    return model.ops.to_host(model.forward(tokens, step, cache))
+
+
+def generate(model: Decoder, prompts: list, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+             seed: int = 0, ignore_eos: bool = True) -> list:
+    """Generated token ids of each prompt (one batch)."""
+    params = GenerationParams(max_new_tokens, sampling, seed, ignore_eos)
+    results = generate_batch(model, [list(p) for p in prompts], list(range(len(prompts))), params, StepTimes())
+    return [tokens for tokens, _ in results]

@@ -1,0 +1,158 @@
+"""NumPy Ops: the reference implementation of every numeric operation the model uses.
+
+Compute is float32. Weights may be stored in float16/bfloat16 and are upcast per call (a transient copy of one
+layer's weight, never a persistent full-precision one). Every later backend is tested against this one.
+
+Shape legend: T=tokens (all sequences of a step, packed), D=hidden, H=query heads, Hkv=KV heads, hd=head dim,
+S=sequences in the step, L=cached positions, N=cache slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.special import erf
+
+from .ops import StepLayout
+
+F32 = np.float32
+
+
+class NumpyOps:
+    name = "numpy"
+    xp = np
+
+    # ---- memory ----------------------------------------------------------------------------------------------
+    def asarray(self, array, dtype=None):
+        """Host array -> backend array (copy-free when possible)."""
+        return np.ascontiguousarray(array, dtype=dtype)
+
+    def to_host(self, array) -> np.ndarray:
+        return np.asarray(array)
+
+    def zeros(self, shape, dtype=F32):
+        return np.zeros(shape, dtype=dtype)
+
+    # ---- dense math --------------------------------------------------------------------------------------------
+    def linear(self, x, w, bias=None):
+        """x [T, in] @ w [in, out] (+ bias [out]) -> [T, out]; w may be a transposed view."""
+        if w.dtype != F32:
+            w = w.astype(F32)
+        y = x @ w
+        if bias is not None:
+            y += bias
+        return y
+
+    def embedding(self, table, ids):
+        """table [V, D], ids [T] -> [T, D] float32."""
+        return table[ids].astype(F32, copy=False)
+
+    def layer_norm(self, x, weight, bias, eps: float):
+        mean = x.mean(axis=-1, keepdims=True)
+        centered = x - mean
+        var = np.mean(centered * centered, axis=-1, keepdims=True)
+        y = centered * (1.0 / np.sqrt(var + eps)).astype(F32)
+        y *= weight
+        if bias is not None:
+            y += bias
+        return y
+
+    def rms_norm(self, x, weight, eps: float):
+        ms = np.mean(x * x, axis=-1, keepdims=True)
+        return x * (1.0 / np.sqrt(ms + eps)).astype(F32) * weight
+
+    def activation(self, x, kind: str):
+        if kind == "gelu":
+            return (0.5 * x * (1.0 + erf(x / np.sqrt(2.0)))).astype(F32, copy=False)
+        if kind == "gelu_tanh":
+            return 0.5 * x * (1.0 + np.tanh(F32(np.sqrt(2.0 / np.pi)) * (x + F32(0.044715) * x * x * x)))
+        if kind == "relu":
+            return np.maximum(x, F32(0))
+        if kind == "silu":
+            return x / (F32(1) + np.exp(-x))
+        raise ValueError(f"unknown activation {kind!r}")
+
+    def gated_activation(self, gate_up, kind: str):
+        """gate_up [T, 2F] (gate half first) -> act(gate) * up  [T, F]."""
+        f = gate_up.shape[-1] // 2
+        return self.activation(gate_up[:, :f], kind) * gate_up[:, f:]
+
+    def rotary(self, x, cos, sin, rotary_dim: int):
+        """Rotate the first rotary_dim dims of each head, half-split ("rotate_half") convention.
+        x [T, heads, hd]; cos, sin [T, rotary_dim/2] -> new array [T, heads, hd]."""
+        half = rotary_dim // 2
+        out = x.copy()
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        c, s = cos[:, None, :], sin[:, None, :]
+        out[..., :half] = x1 * c - x2 * s
+        out[..., half:rotary_dim] = x2 * c + x1 * s
+        return out
+
+    # ---- attention over the KV cache -----------------------------------------------------------------------
+    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
+        """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
+
+        q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] -> out [T, H*hd].
+        """
+        self._append_kv(k, v, cache_k, cache_v, step)
+        if step.is_decode:
+            return self._decode_attention(q, cache_k, cache_v, step, scale)
+        out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
+        for s in range(step.num_seqs):
+            a, b = step.token_range(s)
+            out[a:b] = self._causal_attention(q[a:b], cache_k[step.slots[s]], cache_v[step.slots[s]],
+                                              int(step.starts[s]), scale)
+        return out
+
+    @staticmethod
+    def _append_kv(k, v, cache_k, cache_v, step: StepLayout):
+        if step.is_decode:
+            cache_k[step.slots, :, step.starts] = k          # k [S, Hkv, hd] into [N, Hkv, Lmax, hd]
+            cache_v[step.slots, :, step.starts] = v
+            return
+        for s in range(step.num_seqs):
+            a, b = step.token_range(s)
+            start = int(step.starts[s])
+            cache_k[step.slots[s], :, start:start + b - a] = k[a:b].transpose(1, 0, 2)
+            cache_v[step.slots[s], :, start:start + b - a] = v[a:b].transpose(1, 0, 2)
+
+    @staticmethod
+    def _causal_attention(q, k_seq, v_seq, start: int, scale: float):
+        """One sequence: q [n, H, hd] at positions start..start+n-1; k_seq, v_seq [Hkv, Lmax, hd] -> [n, H*hd]."""
+        n, heads, hd = q.shape
+        kv_heads = k_seq.shape[0]
+        length = start + n
+        qg = q.transpose(1, 0, 2).reshape(kv_heads, heads // kv_heads * n, hd)     # [Hkv, g*n, hd]
+        scores = (qg @ k_seq[:, :length].transpose(0, 2, 1)) * F32(scale)         # [Hkv, g*n, L]
+        scores = scores.reshape(kv_heads, heads // kv_heads, n, length)
+        future = np.arange(length)[None, :] > (start + np.arange(n))[:, None]     # [n, L]
+        scores[..., future] = -np.inf
+        probs = _softmax(scores).reshape(kv_heads, heads // kv_heads * n, length)
+        out = probs @ v_seq[:, :length]                                            # [Hkv, g*n, hd]
+        return out.reshape(heads, n, hd).transpose(1, 0, 2).reshape(n, heads * hd)
+
+    @staticmethod
+    def _decode_attention(q, cache_k, cache_v, step: StepLayout, scale: float):
+        """One new token per sequence, batched: q [S, H, hd] -> [S, H*hd]."""
+        S, heads, hd = q.shape
+        kv_heads = cache_k.shape[1]
+        lengths = step.starts + 1                                                  # [S]
+        L = int(lengths.max())
+        keys = cache_k[step.slots, :, :L]                                          # [S, Hkv, L, hd]
+        values = cache_v[step.slots, :, :L]
+        qg = q.reshape(S, kv_heads, heads // kv_heads, hd)                         # [S, Hkv, g, hd]
+        scores = (qg @ keys.transpose(0, 1, 3, 2)) * F32(scale)                    # [S, Hkv, g, L]
+        beyond = np.arange(L)[None, :] >= lengths[:, None]                         # [S, L]
+        scores[np.broadcast_to(beyond[:, None, None, :], scores.shape)] = -np.inf
+        out = _softmax(scores) @ values                                            # [S, Hkv, g, hd]
+        return out.reshape(S, heads * hd)
+
+    # ---- sampling helpers ----------------------------------------------------------------------------------
+    def argmax(self, logits):
+        return np.argmax(logits, axis=-1)
+
+
+def _softmax(scores):
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores

@@ -1,0 +1,91 @@
+"""The Ops seam: one interface, a NumPy implementation (the spec) and later a CuPy one (kernels).
+
+`StepLayout` describes how the tokens of one forward step are packed: the model always sees x [T, D] with the
+tokens of all sequences of the step concatenated, prefill and decode alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Host-side description of one step. S = sequences in the step, T = tokens in the step."""
+
+    slots: np.ndarray    # [S] KV-cache slot of each sequence
+    starts: np.ndarray   # [S] positions already cached for each sequence (= position of its first new token)
+    counts: np.ndarray   # [S] new tokens of each sequence; sum(counts) == T
+
+    @classmethod
+    def build(cls, slots, starts, counts) -> "StepLayout":
+        return cls(np.asarray(slots, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                   np.asarray(counts, dtype=np.int64))
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token (the batched decode fast path applies)."""
+        return bool(np.all(self.counts == 1))
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """[S+1] start of each sequence's tokens in the packed token axis."""
+        return np.concatenate([[0], np.cumsum(self.counts)])
+
+    def token_range(self, s: int) -> tuple[int, int]:
+        offsets = self.offsets
+        return int(offsets[s]), int(offsets[s + 1])
+
+    @property
+    def positions(self) -> np.ndarray:
+        """[T] absolute position of every token."""
+        return np.concatenate([np.arange(a, a + n) for a, n in zip(self.starts, self.counts)])
+
+    @property
+    def last_token_index(self) -> np.ndarray:
+        """[S] index in the packed token axis of each sequence's last new token."""
+        return np.cumsum(self.counts) - 1
+
+
+class Ops(Protocol):
+    """What the model may ask of a backend. Arrays are the backend's own (numpy.ndarray, cupy.ndarray)."""
+
+    name: str
+
+    def asarray(self, array, dtype=None): ...
+    def to_host(self, array) -> np.ndarray: ...
+    def zeros(self, shape, dtype=np.float32): ...
+    def linear(self, x, w, bias=None): ...
+    def embedding(self, table, ids): ...
+    def layer_norm(self, x, weight, bias, eps: float): ...
+    def rms_norm(self, x, weight, eps: float): ...
+    def activation(self, x, kind: str): ...
+    def gated_activation(self, gate_up, kind: str): ...
+    def rotary(self, x, cos, sin, rotary_dim: int): ...
+    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float): ...
+    def argmax(self, logits): ...
+
+
+BACKENDS = ("auto", "numpy", "cupy")
+
+
+def make_ops(backend: str) -> Ops:
+    """Resolve `[runtime] backend`. Until the CUDA backend lands, `auto` always means numpy."""
+    if backend in ("auto", "numpy"):
+        from .numpy_ops import NumpyOps
+
+        return NumpyOps()
+    from ..errors import ConfigError
+
+    raise ConfigError(f"[runtime] backend = {backend!r} is not available in this version; use \"numpy\" or \"auto\"")

@@ -1,0 +1,76 @@
+"""Write an hpcinfer checkpoint tensor by tensor, atomically (a temporary file renamed on success)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import h5py
+
+from ..errors import CheckpointError
+from ..model.arch import ModelArch, tensor_shapes
+from .format import DTYPES, FORMAT_NAME, FORMAT_VERSION, to_storage
+
+
+class CheckpointWriter:
+    """Usage:
+        with CheckpointWriter("out.h5", arch, "float32") as w:
+            w.add("embed.tokens", array)          # canonical name, stored layout (model.arch.tensor_shapes)
+            w.set_tokenizer(tokenizer_json, chat_template="...", bos_token="<s>", eos_token="</s>")
+    A failure inside the block leaves no output file behind; success checks that every tensor was written.
+    """
+
+    def __init__(self, path: str, arch: ModelArch, dtype: str = "float32"):
+        if dtype not in DTYPES:
+            raise CheckpointError(f"--dtype {dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
+        self.path, self.arch, self.dtype = path, arch, dtype
+        self.expected = tensor_shapes(arch)
+        self.written: set[str] = set()
+        self.tmp_path = f"{path}.tmp.{os.getpid()}"
+        self.file = None
+
+    def __enter__(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.file = h5py.File(self.tmp_path, "w")
+        self.file.attrs["format"] = FORMAT_NAME
+        self.file.attrs["format_version"] = FORMAT_VERSION
+        self.file.attrs["dtype"] = self.dtype
+        for key, value in self.arch.to_attrs().items():
+            self.file.attrs[key] = np.asarray(value, dtype=np.int64) if key == "eos_token_ids" else value
+        return self
+
+    def add(self, name: str, array) -> None:
+        if name not in self.expected:
+            raise CheckpointError(f"tensor '{name}' is not part of a {self.arch.family} checkpoint")
+        array = np.asarray(array)
+        if tuple(array.shape) != self.expected[name]:
+            raise CheckpointError(f"tensor '{name}' has shape {tuple(array.shape)}, expected {self.expected[name]}")
+        if name in self.written:
+            raise CheckpointError(f"tensor '{name}' written twice")
+        ds = self.file.create_dataset(name, data=to_storage(array, self.dtype))
+        if self.dtype == "bfloat16":
+            ds.attrs["dtype"] = "bfloat16"
+        self.written.add(name)
+
+    def set_tokenizer(self, tokenizer_json: str, chat_template: str | None = None,
+                      bos_token: str | None = None, eos_token: str | None = None) -> None:
+        """Store a Hugging Face `tokenizers` JSON (as UTF-8 bytes) and what chat templates need."""
+        group = self.file.require_group("tokenizer")
+        group.create_dataset("json", data=np.frombuffer(tokenizer_json.encode("utf-8"), dtype=np.uint8))
+        for key, value in (("chat_template", chat_template), ("bos_token", bos_token), ("eos_token", eos_token)):
+            if value is not None:
+                group.attrs[key] = value
+
+    def __exit__(self, exc_type, exc, tb):
+        self.file.close()
+        try:
+            missing = [n for n in self.expected if n not in self.written]
+            if exc_type is None and missing:
+                raise CheckpointError(f"conversion wrote no tensor {missing[0]!r} ({len(missing)} tensors missing)")
+            if exc_type is None:
+                os.replace(self.tmp_path, self.path)
+        finally:
+            if os.path.exists(self.tmp_path):
+                os.remove(self.tmp_path)
+        return False

@@ -1,0 +1,79 @@
+"""CommGroup: the collectives one parallel axis needs, over arrays of the active backend.
+
+`MPIGroup` wraps an mpi4py communicator and moves host (NumPy) arrays. The NCCL implementation (device arrays)
+arrives with the CUDA backend and keeps these names and semantics.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class CommGroup(Protocol):
+    size: int
+    rank: int
+
+    def all_reduce(self, x): ...          # sum over the group, result on every rank (x may be updated in place)
+    def all_gather(self, x): ...          # x [*s] -> [size, *s], rank order
+    def broadcast(self, x, root: int = 0): ...
+    def barrier(self) -> None: ...
+
+
+class MPIGroup:
+    """A CommGroup over an mpi4py communicator (host memory)."""
+
+    def __init__(self, comm, name: str = "group"):
+        self.comm, self.name = comm, name
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        from mpi4py import MPI
+
+        x = np.ascontiguousarray(x)
+        self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        return x
+
+    def all_gather(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        out = np.empty((self.size, *x.shape), dtype=x.dtype)
+        self.comm.Allgather(x, out)
+        return out
+
+    def broadcast(self, x: np.ndarray, root: int = 0) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        self.comm.Bcast(x, root=root)
+        return x
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def __repr__(self):
+        return f"MPIGroup({self.name}, rank {self.rank} of {self.size})"
+
+
+class SoloGroup:
+    """A group of one rank: every collective is the identity. Lets single-process code (tests, converters,
+    the Python API) run the model without MPI."""
+
+    size, rank, name = 1, 0, "solo"
+
+    def all_reduce(self, x):
+        return x
+
+    def all_gather(self, x):
+        return x[None]
+
+    def broadcast(self, x, root: int = 0):
+        return x
+
+    def barrier(self) -> None:
+        pass
+
+
+class Groups:
+    """The groups a model needs, passed in by the runtime (never found): tp now; pp, ep, expert_tp later."""
+
+    def __init__(self, tp=None):
+        self.tp = tp if tp is not None else SoloGroup()

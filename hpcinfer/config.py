@@ -1,0 +1,163 @@
+"""The job config: TOML -> frozen dataclasses, validated once, in one place (docs/config.md lists every key).
+
+Unknown sections and keys are errors (a typo must not pass silently); every value is type- and range-checked.
+`--set section.key=value` overrides are applied before validation, so they are checked the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+
+from .backend.ops import BACKENDS
+from .errors import ConfigError
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _meta(help: str, check=None, choices=None):
+    return {"help": help, "check": check, "choices": choices}
+
+
+def _positive(v):
+    return v >= 1, "must be >= 1"
+
+
+def _non_negative(v):
+    return v >= 0, "must be >= 0"
+
+
+def _probability(v):
+    return 0.0 < v <= 1.0, "must be in (0, 1]"
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    checkpoint: str = field(metadata=_meta("path of the hpcinfer HDF5 checkpoint (made by `hpcinfer convert`)"))
+    dtype: str = field(default="float32", metadata=_meta("weight storage dtype on the device", choices=DTYPES))
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    tp: int = field(default=1, metadata=_meta("tensor-parallel degree", _positive))
+    pp: int = field(default=1, metadata=_meta("pipeline stages (only 1 in this version)", _positive))
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    backend: str = field(default="auto", metadata=_meta("compute backend", choices=BACKENDS))
+    threads: int = field(default=0, metadata=_meta("BLAS threads per rank; 0 = cores / ranks on the node",
+                                                   _non_negative))
+
+
+@dataclass(frozen=True)
+class GenerateSection:
+    prompts: str = field(metadata=_meta("JSON Lines prompt file"))
+    output: str = field(metadata=_meta("JSON Lines result file (written by rank 0, atomically)"))
+    max_new_tokens: int = field(default=32, metadata=_meta("tokens to generate per prompt", _positive))
+    batch_size: int = field(default=8, metadata=_meta("prompts per batch on each data-parallel replica", _positive))
+    temperature: float = field(default=0.0, metadata=_meta("0 = greedy", _non_negative))
+    top_k: int = field(default=0, metadata=_meta("0 = off", _non_negative))
+    top_p: float = field(default=1.0, metadata=_meta("1.0 = off", _probability))
+    seed: int = field(default=0, metadata=_meta("sampling seed", _non_negative))
+    ignore_eos: bool = field(default=False, metadata=_meta("true: always generate max_new_tokens"))
+    metrics: str | None = field(default=None, metadata=_meta("optional JSON metrics file"))
+
+
+SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "runtime": RuntimeSection,
+            "generate": GenerateSection}
+REQUIRED_SECTIONS = ("model", "generate")
+
+
+@dataclass(frozen=True)
+class Config:
+    path: str
+    model: ModelSection
+    parallel: ParallelSection
+    runtime: RuntimeSection
+    generate: GenerateSection
+
+
+def load_config(path: str, overrides: list[str] = ()) -> Config:
+    """Read, override and validate. Raises ConfigError naming the file, the key and what is allowed."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    return _build(path, raw)
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not section or not name:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set generate.max_new_tokens=64")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text                                   # a bare string such as a path needs no quotes
+    raw.setdefault(section, {})
+    if not isinstance(raw[section], dict):
+        raise ConfigError(f"--set {item!r}: [{section}] is not a section")
+    raw[section][name] = value
+
+
+def _build(path: str, raw: dict) -> Config:
+    for name in raw:
+        if name not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{name}]; allowed sections: {', '.join(SECTIONS)}")
+    for name in REQUIRED_SECTIONS:
+        if name not in raw:
+            raise ConfigError(f"{path}: missing section [{name}]")
+    sections = {name: _build_section(path, name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()}
+    config = Config(path=path, **sections)
+    if config.parallel.pp != 1:
+        raise ConfigError(f"{path}: [parallel] pp = {config.parallel.pp}: pipeline parallelism is not available in "
+                          f"this version; use pp = 1")
+    return config
+
+
+def _build_section(path: str, name: str, cls, values) -> object:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: '{name}' must be a section [{name}], not a value")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in fields:
+            raise ConfigError(f"{path}: unknown key '{key}' in [{name}]; allowed keys: {', '.join(fields)}")
+    kwargs = {}
+    for key, f in fields.items():
+        if key not in values:
+            if f.default is dataclasses.MISSING:
+                raise ConfigError(f"{path}: [{name}] is missing the required key '{key}' ({f.metadata['help']})")
+            continue
+        kwargs[key] = _check_value(path, f"{name}.{key}", f, values[key])
+    return cls(**kwargs)
+
+
+_TYPES = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,), "str | None": (str,)}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "str | None": "a string"}
+
+
+def _check_value(path: str, key: str, f: dataclasses.Field, value):
+    allowed = _TYPES[f.type]
+    if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+        raise ConfigError(f"{path}: {key} = {value!r} must be {_TYPE_WORDS[f.type]}")
+    if f.type == "float":
+        value = float(value)
+    choices, check = f.metadata["choices"], f.metadata["check"]
+    if choices and value not in choices:
+        raise ConfigError(f"{path}: {key} = {value!r} is not allowed; choose one of {', '.join(choices)}")
+    if check:
+        ok, rule = check(value)
+        if not ok:
+            raise ConfigError(f"{path}: {key} = {value!r} {rule}")
+    return value

@@ -1,0 +1,90 @@
+"""Prompt files: JSON Lines, one object per prompt, `{"id", "tokens": [ints]}` or `{"id", "text", "chat"?}`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..errors import InputError
+
+PROMPT_KEYS = ("id", "tokens", "text", "chat")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    tokens: list
+    line: int
+
+
+def load_prompts(path: str, arch, tokenizer) -> list[Prompt]:
+    """Read and check every prompt; raises InputError naming the file, the line and what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise InputError(f"prompt file '{path}' does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"prompt file '{path}' cannot be read: {exc}") from None
+    prompts, seen = [], set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        prompt = _parse_line(f"{path}:{number}", line, arch, tokenizer, number)
+        if prompt.id in seen:
+            raise InputError(f"{path}:{number}: id {prompt.id!r} appears more than once")
+        seen.add(prompt.id)
+        prompts.append(prompt)
+    if not prompts:
+        raise InputError(f"prompt file '{path}' holds no prompts")
+    return prompts
+
+
+def _parse_line(where: str, line: str, arch, tokenizer, number: int) -> Prompt:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{where}: expected a JSON object with \"id\" and \"tokens\" or \"text\"")
+    unknown = [k for k in obj if k not in PROMPT_KEYS]
+    if unknown:
+        raise InputError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(PROMPT_KEYS)}")
+    pid = obj.get("id")
+    if not isinstance(pid, (str, int)) or isinstance(pid, bool):
+        raise InputError(f"{where}: \"id\" must be a string or an integer")
+    if ("tokens" in obj) == ("text" in obj):
+        raise InputError(f"{where}: give exactly one of \"tokens\" and \"text\"")
+    tokens = _tokens(where, obj, arch, tokenizer)
+    if not tokens:
+        raise InputError(f"{where}: the prompt is empty")
+    if len(tokens) >= arch.max_positions:
+        raise InputError(f"{where}: the prompt has {len(tokens)} tokens; this model handles at most "
+                         f"{arch.max_positions} positions, so prompts must have fewer than {arch.max_positions}")
+    return Prompt(str(pid), tokens, number)
+
+
+def _tokens(where: str, obj: dict, arch, tokenizer) -> list:
+    if "tokens" in obj:
+        tokens = obj["tokens"]
+        if "chat" in obj:
+            raise InputError(f"{where}: \"chat\" applies to \"text\" prompts only")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise InputError(f"{where}: \"tokens\" must be a list of integers")
+        bad = [t for t in tokens if not 0 <= t < arch.vocab_size]
+        if bad:
+            raise InputError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {arch.vocab_size})")
+        return tokens
+    text, chat = obj["text"], obj.get("chat", False)
+    if not isinstance(text, str):
+        raise InputError(f"{where}: \"text\" must be a string")
+    if not isinstance(chat, bool):
+        raise InputError(f"{where}: \"chat\" must be true or false")
+    if tokenizer is None:
+        raise InputError(f"{where}: a \"text\" prompt needs a tokenizer, and the checkpoint has none; "
+                         f"give \"tokens\" instead or convert a model that ships a tokenizer")
+    if chat:
+        if not tokenizer.chat_template:
+            raise InputError(f"{where}: \"chat\": true needs a chat template, and the checkpoint has none")
+        return tokenizer.encode_chat(text)
+    return tokenizer.encode(text)

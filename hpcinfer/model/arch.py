@@ -1,0 +1,144 @@
+"""One decoder architecture, described by features rather than by family.
+
+A family (GPT-2, OPT, GPT-NeoX, Llama) is only a choice of these features; the converters fill them in and the
+checkpoint stores them as root attributes (see docs/checkpoint-format.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str                  # informational: gpt2 | opt | gpt_neox | llama | ...
+    vocab_size: int              # V
+    hidden_size: int             # D
+    num_layers: int              # L
+    num_heads: int               # H (query heads)
+    num_kv_heads: int            # Hkv (== H for multi-head, < H for grouped-query attention)
+    head_dim: int                # hd (usually D / H)
+    intermediate_size: int       # F (MLP hidden width)
+    max_positions: int           # longest sequence the model supports (prompt + generated)
+    norm: str = "layernorm"      # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    position: str = "learned"    # learned (a [P, D] table) | rotary
+    rotary_dim: int = 0          # rotated dims per head (== head_dim for full rotary, less for partial)
+    rope_theta: float = 10000.0
+    activation: str = "gelu"     # gelu (erf) | gelu_tanh | relu | silu
+    gated_mlp: bool = False      # down(act(gate(x)) * up(x)) instead of down(act(up(x)))
+    parallel_residual: bool = False  # x + attn(n1(x)) + mlp(n2(x)) instead of sequential
+    qkv_bias: bool = False
+    out_bias: bool = False       # bias of the attention output projection
+    mlp_bias: bool = False
+    tied_embeddings: bool = False  # LM head reuses the token embedding
+    bos_token_id: int = -1       # -1: none
+    eos_token_ids: tuple = field(default=())
+
+    def __post_init__(self):
+        problems = []
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_positions"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.norm not in NORMS:
+            problems.append(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.position not in POSITIONS:
+            problems.append(f"position must be one of {POSITIONS}, got {self.position!r}")
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.position == "rotary" and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            problems.append(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def has_norm_bias(self) -> bool:
+        return self.norm == "layernorm"
+
+    def to_attrs(self) -> dict:
+        attrs = dataclasses.asdict(self)
+        attrs["eos_token_ids"] = list(self.eos_token_ids)
+        return attrs
+
+    @classmethod
+    def from_attrs(cls, attrs) -> "ModelArch":
+        """Build from HDF5 root attributes (numpy scalars and arrays); unknown attributes are ignored."""
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in attrs:
+                continue
+            value = attrs[f.name]
+            if f.name == "eos_token_ids":
+                kwargs[f.name] = tuple(int(v) for v in list(value))
+            elif f.type == "int":
+                kwargs[f.name] = int(value)
+            elif f.type == "float":
+                kwargs[f.name] = float(value)
+            elif f.type == "bool":
+                kwargs[f.name] = bool(value)
+            else:
+                kwargs[f.name] = str(value)
+        return cls(**kwargs)
+
+    def param_count(self) -> int:
+        """Parameters stored in the checkpoint (the tied LM head counted once)."""
+        return sum(_numel(shape) for shape in tensor_shapes(self).values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor name -> stored shape. Each matrix is stored with its tensor-parallel split dimension
+    first, so that a shard is a contiguous block of rows: column-parallel [out, in], row-parallel [in, out]."""
+    D, F, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"embed.tokens": (V, D)}
+    if arch.position == "learned":
+        shapes["embed.positions"] = (arch.max_positions, D)
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        for norm in ("attn_norm", "mlp_norm"):
+            shapes[p + norm + ".weight"] = (D,)
+            if arch.has_norm_bias:
+                shapes[p + norm + ".bias"] = (D,)
+        for proj, size in (("q", arch.q_size), ("k", arch.kv_size), ("v", arch.kv_size)):
+            shapes[p + f"attn.{proj}.weight"] = (size, D)
+            if arch.qkv_bias:
+                shapes[p + f"attn.{proj}.bias"] = (size,)
+        shapes[p + "attn.o.weight"] = (arch.q_size, D)
+        if arch.out_bias:
+            shapes[p + "attn.o.bias"] = (D,)
+        ups = ("gate", "up") if arch.gated_mlp else ("up",)
+        for proj in ups:
+            shapes[p + f"mlp.{proj}.weight"] = (F, D)
+            if arch.mlp_bias:
+                shapes[p + f"mlp.{proj}.bias"] = (F,)
+        shapes[p + "mlp.down.weight"] = (F, D)
+        if arch.mlp_bias:
+            shapes[p + "mlp.down.bias"] = (D,)
+    shapes["final_norm.weight"] = (D,)
+    if arch.has_norm_bias:
+        shapes["final_norm.bias"] = (D,)
+    if not arch.tied_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    return shapes

@@ -1,0 +1,38 @@
+"""Self-attention: column-parallel fused QKV (heads split across tp), rotary, KV-cache attention, row-parallel
+output projection. Shape legend: T=tokens, D=hidden, H/Hkv=local query/KV heads, hd=head dim."""
+
+from __future__ import annotations
+
+import math
+
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class Attention:
+    def __init__(self, ops, tp, arch, prefix: str, dtype: str):
+        self.ops, self.arch = ops, arch
+        self.heads = arch.num_heads // tp.size
+        self.kv_heads = arch.num_kv_heads // tp.size
+        self.head_dim = arch.head_dim
+        self.scale = 1.0 / math.sqrt(arch.head_dim)
+        self.qkv = ColumnParallelLinear(ops, tp, [f"{prefix}.{p}" for p in "qkv"],
+                                        [arch.q_size, arch.kv_size, arch.kv_size], arch.qkv_bias, dtype)
+        self.out = RowParallelLinear(ops, tp, f"{prefix}.o", arch.q_size, arch.out_bias, dtype)
+
+    def load(self, ckpt):
+        self.qkv.load(ckpt)
+        self.out.load(ckpt)
+
+    def __call__(self, x, step, cache_k, cache_v, rope):     # x [T, D] -> [T, D]
+        T, hd = x.shape[0], self.head_dim
+        qkv = self.qkv(x)                                    # [T, (H + 2 Hkv) hd]
+        q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd
+        q = qkv[:, :q_end].reshape(T, self.heads, hd)
+        k = qkv[:, q_end:k_end].reshape(T, self.kv_heads, hd)
+        v = qkv[:, k_end:].reshape(T, self.kv_heads, hd)
+        if rope is not None:
+            cos, sin = rope
+            q = self.ops.rotary(q, cos, sin, self.arch.rotary_dim)
+            k = self.ops.rotary(k, cos, sin, self.arch.rotary_dim)
+        ctx = self.ops.attention(q, k, v, cache_k, cache_v, step, self.scale)   # [T, H hd]
+        return self.out(ctx)

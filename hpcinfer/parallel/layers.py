@@ -1,0 +1,122 @@
+"""Sharded layers: each is built at its local size and owns the rule for reading its shard of the checkpoint.
+
+Stored layouts put the split dimension first (model.arch.tensor_shapes), so every shard is one contiguous block of
+rows: column-parallel weights are stored [out, in], row-parallel ones [in, out], vocab tables [V, D].
+Shape legend: T=tokens, S=sequences, D=hidden, V=vocab, Vs=vocab rows per tp rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..comm.mappings import gather_from_tp, reduce_from_tp
+
+
+def weight_dtype(name: str) -> np.dtype:
+    """Storage dtype of weights in compute memory: float32, float16 or bfloat16 (ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def even_shard(total: int, parts: int, index: int) -> slice:
+    """Rows of shard `index` when `total` splits evenly into `parts` (checked when the config is validated)."""
+    assert total % parts == 0, (total, parts)
+    n = total // parts
+    return slice(index * n, (index + 1) * n)
+
+
+def vocab_shard(vocab: int, parts: int, index: int) -> tuple[int, int, int]:
+    """(start, stop, rows_per_rank): every rank holds ceil(V / parts) rows, the last ones zero-padded, so
+    vocabularies that do not divide (GPT-2's 50257) work."""
+    per = math.ceil(vocab / parts)
+    start = min(index * per, vocab)
+    return start, min(start + per, vocab), per
+
+
+class Replicated:
+    """A tensor every rank holds whole (norm weights, biases of row-parallel layers, position tables)."""
+
+    def __init__(self, ops, name: str, dtype=np.float32):
+        self.ops, self.name, self.dtype = ops, name, dtype
+        self.value = None
+
+    def load(self, ckpt):
+        self.value = self.ops.asarray(ckpt.read(self.name).astype(self.dtype))
+        return self.value
+
+
+class ColumnParallelLinear:
+    """y[:, local outputs] = x @ W[:, local outputs] (+ b). Several parts (q, k, v or gate, up) are fused into one
+    matmul: each part is split across tp on its own and the local slices are concatenated in part order."""
+
+    def __init__(self, ops, tp, names: list[str], out_sizes: list[int], bias: bool, dtype: str):
+        self.ops, self.tp, self.names, self.out_sizes = ops, tp, names, out_sizes
+        self.bias, self.dtype = bias, weight_dtype(dtype)
+        self.local_sizes = [n // tp.size for n in out_sizes]
+        self.w = self.b = None                                    # w [in, sum(local_sizes)] (a transposed view)
+
+    def load(self, ckpt):
+        rows = [even_shard(n, self.tp.size, self.tp.rank) for n in self.out_sizes]
+        w = np.concatenate([ckpt.read(f"{name}.weight", r) for name, r in zip(self.names, rows)])
+        self.w = self.ops.asarray(w.astype(self.dtype)).T           # stored [out_local, in] -> use as [in, out_local]
+        if self.bias:
+            b = np.concatenate([ckpt.read(f"{name}.bias", r) for name, r in zip(self.names, rows)])
+            self.b = self.ops.asarray(b.astype(np.float32))
+
+    def __call__(self, x):                                        # x [T, in] -> [T, sum(local_sizes)]
+        return self.ops.linear(x, self.w, self.b)
+
+
+class RowParallelLinear:
+    """y = sum over tp of x[:, local inputs] @ W[local inputs, :], then + b: one all-reduce per call."""
+
+    def __init__(self, ops, tp, name: str, in_size: int, bias: bool, dtype: str):
+        self.ops, self.tp, self.name, self.in_size = ops, tp, name, in_size
+        self.bias, self.dtype = bias, weight_dtype(dtype)
+        self.w = self.b = None                                    # w [in_local, out]
+
+    def load(self, ckpt):
+        rows = even_shard(self.in_size, self.tp.size, self.tp.rank)
+        self.w = self.ops.asarray(ckpt.read(f"{self.name}.weight", rows).astype(self.dtype))
+        if self.bias:
+            self.b = self.ops.asarray(ckpt.read(f"{self.name}.bias").astype(np.float32))
+
+    def __call__(self, x):                                        # x [T, in_local] -> [T, out]
+        y = reduce_from_tp(self.ops.linear(x, self.w), self.tp)
+        if self.b is not None:
+            y += self.b
+        return y
+
+
+class VocabParallelEmbedding:
+    """Token embedding split by vocabulary rows; also the (tied or separate) vocab-parallel LM head."""
+
+    def __init__(self, ops, tp, name: str, vocab: int, dtype: str):
+        self.ops, self.tp, self.name, self.vocab = ops, tp, name, vocab
+        self.dtype = weight_dtype(dtype)
+        self.start, self.stop, self.rows = vocab_shard(vocab, tp.size, tp.rank)
+        self.table = None                                         # [Vs, D], zero rows past `stop`
+
+    def load(self, ckpt):
+        block = ckpt.read(self.name, slice(self.start, self.stop)).astype(self.dtype)
+        if block.shape[0] < self.rows:
+            block = np.concatenate([block, np.zeros((self.rows - block.shape[0], block.shape[1]), self.dtype)])
+        self.table = self.ops.asarray(block)
+
+    def embed(self, ids):                                         # ids [T] (host ints) -> [T, D]
+        if self.tp.size == 1:
+            return self.ops.embedding(self.table, ids)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.stop - self.start)
+        out = self.ops.embedding(self.table, np.where(mine, local, 0))
+        out[~mine] = 0.0
+        return reduce_from_tp(out, self.tp)
+
+    def logits(self, x):                                          # x [S, D] -> [S, V] on every tp rank
+        local = self.ops.linear(x, self.table.T)                  # [S, Vs]
+        return gather_from_tp(local, self.tp, self.ops.xp)[:, :self.vocab]
