@@ -1,0 +1,128 @@
+"""Each NumPy op against a plain reference (float64 formulas, torch's functional ops, or a naive loop)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hpcinfer.backend.numpy_ops import NumpyOps
+from hpcinfer.backend.ops import StepLayout
+
+ops = NumpyOps()
+rng = np.random.default_rng(0)
+
+
+def randn(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_linear_matches_float64_with_and_without_bias():
+    x, w, b = randn(5, 7), randn(7, 3), randn(3)
+    np.testing.assert_allclose(ops.linear(x, w, b), x.astype(np.float64) @ w + b, atol=1e-5)
+    np.testing.assert_allclose(ops.linear(x, w.T.copy().T), x.astype(np.float64) @ w, atol=1e-5)
+
+
+def test_linear_upcasts_half_precision_weights():
+    x, w = randn(2, 8), randn(8, 4)
+    np.testing.assert_allclose(ops.linear(x, w.astype(np.float16)), x @ w.astype(np.float16).astype(np.float32),
+                               atol=1e-5)
+
+
+def test_layer_norm_and_rms_norm_match_torch():
+    x, w, b = randn(4, 16), randn(16), randn(16)
+    expect = torch.nn.functional.layer_norm(torch.from_numpy(x), (16,), torch.from_numpy(w), torch.from_numpy(b),
+                                            eps=1e-5).numpy()
+    np.testing.assert_allclose(ops.layer_norm(x, w, b, 1e-5), expect, atol=1e-5)
+    x64 = x.astype(np.float64)
+    rms = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(ops.rms_norm(x, w, 1e-6), rms, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, reference", [
+    ("gelu", lambda t: torch.nn.functional.gelu(t)),
+    ("gelu_tanh", lambda t: torch.nn.functional.gelu(t, approximate="tanh")),
+    ("relu", torch.relu),
+    ("silu", torch.nn.functional.silu),
+])
+def test_activations_match_torch(kind, reference):
+    x = randn(3, 50) * 4
+    np.testing.assert_allclose(ops.activation(x, kind), reference(torch.from_numpy(x)).numpy(), atol=1e-5)
+
+
+def test_gated_activation_is_act_of_first_half_times_second_half():
+    gate_up = randn(3, 8)
+    expect = ops.activation(gate_up[:, :4], "silu") * gate_up[:, 4:]
+    np.testing.assert_allclose(ops.gated_activation(gate_up, "silu"), expect)
+
+
+def test_rotary_matches_complex_rotation_of_half_split_pairs():
+    T, heads, hd, rot = 5, 3, 8, 4
+    x = randn(T, heads, hd)
+    angles = rng.uniform(0, 6, (T, rot // 2))
+    out = ops.rotary(x, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32), rot)
+    pairs = x[..., :rot // 2] + 1j * x[..., rot // 2:rot]           # element i pairs with i + rot/2
+    rotated = pairs * np.exp(1j * angles)[:, None, :]
+    np.testing.assert_allclose(out[..., :rot // 2], rotated.real, atol=1e-5)
+    np.testing.assert_allclose(out[..., rot // 2:rot], rotated.imag, atol=1e-5)
+    np.testing.assert_array_equal(out[..., rot:], x[..., rot:])      # partial rotary leaves the rest alone
+
+
+def naive_attention(q, k, v, scale):
+    """q [n, H, hd], k, v [n, Hkv, hd] of one whole sequence; causal, GQA by repetition; loops, float64."""
+    n, heads, hd = q.shape
+    group = heads // k.shape[1]
+    out = np.zeros((n, heads, hd))
+    for h in range(heads):
+        for i in range(n):
+            s = np.array([q[i, h] @ k[j, h // group] * scale for j in range(i + 1)], dtype=np.float64)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[i, h] = p @ v[:i + 1, h // group]
+    return out.reshape(n, heads * hd)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_prefill_then_decode_attention_matches_naive(heads, kv_heads):
+    hd, lengths, Lmax = 8, [5, 2, 7], 9
+    scale = 1 / math.sqrt(hd)
+    seqs = [(randn(n + 1, heads, hd), randn(n + 1, kv_heads, hd), randn(n + 1, kv_heads, hd)) for n in lengths]
+    cache_k = np.zeros((3, kv_heads, Lmax, hd), np.float32)
+    cache_v = np.zeros_like(cache_k)
+    # packed prefill of the first n tokens of each sequence (slots in a different order than sequences)
+    slots = [2, 0, 1]
+    step = StepLayout.build(slots, [0, 0, 0], lengths)
+    cat = lambda i: np.concatenate([s[i][:n] for s, n in zip(seqs, lengths)])
+    out = ops.attention(cat(0), cat(1), cat(2), cache_k, cache_v, step, scale)
+    for s, (q, k, v), n in zip(range(3), seqs, lengths):
+        a, b = step.token_range(s)
+        np.testing.assert_allclose(out[a:b], naive_attention(q[:n], k[:n], v[:n], scale), atol=1e-5)
+    # one decode step: token n of each sequence, batched
+    step = StepLayout.build(slots, lengths, [1, 1, 1])
+    last = lambda i: np.stack([s[i][n] for s, n in zip(seqs, lengths)])
+    out = ops.attention(last(0), last(1), last(2), cache_k, cache_v, step, scale)
+    for s, (q, k, v), n in zip(range(3), seqs, lengths):
+        np.testing.assert_allclose(out[s], naive_attention(q, k, v, scale)[n], atol=1e-5)
+
+
+def test_chunked_prefill_continues_from_cache():
+    """A second prefill chunk on a non-empty cache attends to the earlier positions too."""
+    heads, hd, n = 2, 4, 6
+    q, k, v = randn(n, heads, hd), randn(n, heads, hd), randn(n, heads, hd)
+    cache_k = np.zeros((1, heads, n, hd), np.float32)
+    cache_v = np.zeros_like(cache_k)
+    ops.attention(q[:4], k[:4], v[:4], cache_k, cache_v, StepLayout.build([0], [0], [4]), 0.5)
+    out = ops.attention(q[4:], k[4:], v[4:], cache_k, cache_v, StepLayout.build([0], [4], [2]), 0.5)
+    np.testing.assert_allclose(out, naive_attention(q, k, v, 0.5)[4:], atol=1e-5)
+
+
+def test_embedding_gathers_rows():
+    table = randn(10, 3)
+    np.testing.assert_array_equal(ops.embedding(table, np.array([3, 3, 9])), table[[3, 3, 9]])
+
+
+def test_step_layout_positions_and_last_tokens():
+    step = StepLayout.build([0, 1], [3, 0], [2, 3])
+    assert step.positions.tolist() == [3, 4, 0, 1, 2]
+    assert step.last_token_index.tolist() == [1, 4]
+    assert not step.is_decode and StepLayout.build([0], [5], [1]).is_decode
