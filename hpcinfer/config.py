@@ -20,6 +20,10 @@ def _meta(help: str, check=None, choices=None):
     return {"help": help, "check": check, "choices": choices}
 
 
+def _path(v):
+    return v.strip() != "", "must be a non-empty path"
+
+
 def _positive(v):
     return v >= 1, "must be >= 1"
 
@@ -34,7 +38,7 @@ def _probability(v):
 
 @dataclass(frozen=True)
 class ModelSection:
-    checkpoint: str = field(metadata=_meta("path of the hpcinfer HDF5 checkpoint (made by `hpcinfer convert`)"))
+    checkpoint: str = field(metadata=_meta("path of the hpcinfer HDF5 checkpoint (made by `hpcinfer convert`)", _path))
     dtype: str = field(default="float32", metadata=_meta("weight storage dtype on the device", choices=DTYPES))
 
 
@@ -53,8 +57,8 @@ class RuntimeSection:
 
 @dataclass(frozen=True)
 class GenerateSection:
-    prompts: str = field(metadata=_meta("JSON Lines prompt file"))
-    output: str = field(metadata=_meta("JSON Lines result file (written by rank 0, atomically)"))
+    prompts: str = field(metadata=_meta("JSON Lines prompt file", _path))
+    output: str = field(metadata=_meta("JSON Lines result file (written by rank 0, atomically)", _path))
     max_new_tokens: int = field(default=32, metadata=_meta("tokens to generate per prompt", _positive))
     batch_size: int = field(default=8, metadata=_meta("prompts per batch on each data-parallel replica", _positive))
     temperature: float = field(default=0.0, metadata=_meta("0 = greedy", _non_negative))
@@ -62,7 +66,7 @@ class GenerateSection:
     top_p: float = field(default=1.0, metadata=_meta("1.0 = off", _probability))
     seed: int = field(default=0, metadata=_meta("sampling seed", _non_negative))
     ignore_eos: bool = field(default=False, metadata=_meta("true: always generate max_new_tokens"))
-    metrics: str | None = field(default=None, metadata=_meta("optional JSON metrics file"))
+    metrics: str | None = field(default=None, metadata=_meta("optional JSON metrics file", _path))
 
 
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "runtime": RuntimeSection,

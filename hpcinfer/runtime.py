@@ -85,11 +85,11 @@ class Job:
 
 def _prepare(config, world_size: int, rank: int) -> Job:
     """Everything that can be wrong with the inputs, checked before any weight is read."""
-    MeshShape.for_world(world_size, config.parallel.tp, config.parallel.pp)
     make_ops(config.runtime.backend)
     ckpt = open_checkpoint(config.model.checkpoint)
     try:
         check_tensor_parallel(ckpt.arch, config.parallel.tp, config.path)
+        MeshShape.for_world(world_size, config.parallel.tp, config.parallel.pp)
         tokenizer = TextTokenizer.from_checkpoint(ckpt)
         prompts = load_prompts(config.generate.prompts, ckpt.arch, tokenizer)
         if rank == 0:
@@ -105,6 +105,8 @@ def _prepare(config, world_size: int, rank: int) -> Job:
 def _check_writable(path: str, key: str) -> None:
     from .errors import ConfigError
 
+    if os.path.isdir(path):
+        raise ConfigError(f"{key} = '{path}' is a directory; give a file path")
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)

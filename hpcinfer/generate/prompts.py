@@ -71,10 +71,7 @@ def _tokens(where: str, obj: dict, arch, tokenizer) -> list:
             raise InputError(f"{where}: \"chat\" applies to \"text\" prompts only")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise InputError(f"{where}: \"tokens\" must be a list of integers")
-        bad = [t for t in tokens if not 0 <= t < arch.vocab_size]
-        if bad:
-            raise InputError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {arch.vocab_size})")
-        return tokens
+        return _in_vocabulary(where, tokens, arch)
     text, chat = obj["text"], obj.get("chat", False)
     if not isinstance(text, str):
         raise InputError(f"{where}: \"text\" must be a string")
@@ -86,5 +83,12 @@ def _tokens(where: str, obj: dict, arch, tokenizer) -> list:
     if chat:
         if not tokenizer.chat_template:
             raise InputError(f"{where}: \"chat\": true needs a chat template, and the checkpoint has none")
-        return tokenizer.encode_chat(text)
-    return tokenizer.encode(text)
+        return _in_vocabulary(where, tokenizer.encode_chat(text), arch)
+    return _in_vocabulary(where, tokenizer.encode(text), arch)
+
+
+def _in_vocabulary(where: str, tokens: list, arch) -> list:
+    bad = [t for t in tokens if not 0 <= t < arch.vocab_size]
+    if bad:
+        raise InputError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {arch.vocab_size})")
+    return tokens
