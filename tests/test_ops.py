@@ -17,15 +17,16 @@ def randn(*shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def test_linear_matches_float64_with_and_without_bias():
-    x, w, b = randn(5, 7), randn(7, 3), randn(3)
-    np.testing.assert_allclose(ops.linear(x, w, b), x.astype(np.float64) @ w + b, atol=1e-5)
-    np.testing.assert_allclose(ops.linear(x, w.T.copy().T), x.astype(np.float64) @ w, atol=1e-5)
+@pytest.mark.parametrize("tokens", [1, 5, 100])     # both sides of the weight-first threshold
+def test_linear_matches_float64_with_and_without_bias(tokens):
+    x, w, b = randn(tokens, 7), randn(3, 7), randn(3)      # w [out, in]
+    np.testing.assert_allclose(ops.linear(x, w, b), x.astype(np.float64) @ w.T + b, atol=1e-5)
+    np.testing.assert_allclose(ops.linear(x, w), x.astype(np.float64) @ w.T, atol=1e-5)
 
 
 def test_linear_upcasts_half_precision_weights():
-    x, w = randn(2, 8), randn(8, 4)
-    np.testing.assert_allclose(ops.linear(x, w.astype(np.float16)), x @ w.astype(np.float16).astype(np.float32),
+    x, w = randn(2, 8), randn(4, 8)
+    np.testing.assert_allclose(ops.linear(x, w.astype(np.float16)), x @ w.astype(np.float16).astype(np.float32).T,
                                atol=1e-5)
 
 

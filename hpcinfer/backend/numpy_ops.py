@@ -15,6 +15,7 @@ from scipy.special import erf
 from .ops import StepLayout
 
 F32 = np.float32
+SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
 
 
 class NumpyOps:
@@ -34,10 +35,11 @@ class NumpyOps:
 
     # ---- dense math --------------------------------------------------------------------------------------------
     def linear(self, x, w, bias=None):
-        """x [T, in] @ w [in, out] (+ bias [out]) -> [T, out]; w may be a transposed view."""
+        """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out]. For a few tokens, `(w @ x.T).T` lets OpenBLAS
+        stream the row-major weight once (20-25% faster at 4-16 tokens than `x @ w.T`, bench/results/)."""
         if w.dtype != F32:
             w = w.astype(F32)
-        y = x @ w
+        y = (w @ x.T).T if x.shape[0] <= SMALL_BATCH else x @ w.T
         if bias is not None:
             y += bias
         return y
@@ -74,17 +76,27 @@ class NumpyOps:
     def gated_activation(self, gate_up, kind: str):
         """gate_up [T, 2F] (gate half first) -> act(gate) * up  [T, F]."""
         f = gate_up.shape[-1] // 2
-        return self.activation(gate_up[:, :f], kind) * gate_up[:, f:]
+        gate, up = gate_up[:, :f], gate_up[:, f:]
+        if kind != "silu":
+            return self.activation(gate, kind) * up
+        out = np.negative(gate)                              # silu(g) * u = g / (1 + exp(-g)) * u, in place
+        np.exp(out, out=out)
+        out += F32(1)
+        np.divide(gate, out, out=out)
+        out *= up
+        return out
 
     def rotary(self, x, cos, sin, rotary_dim: int):
-        """Rotate the first rotary_dim dims of each head, half-split ("rotate_half") convention.
-        x [T, heads, hd]; cos, sin [T, rotary_dim/2] -> new array [T, heads, hd]."""
+        """Rotate the first rotary_dim dims of each head, half-split ("rotate_half") convention:
+        x * [cos, cos] + [x2, x1] * [-sin, sin]. x [T, heads, hd]; cos, sin [T, rotary_dim/2] -> [T, heads, hd]."""
         half = rotary_dim // 2
-        out = x.copy()
-        x1, x2 = x[..., :half], x[..., half:rotary_dim]
-        c, s = cos[:, None, :], sin[:, None, :]
-        out[..., :half] = x1 * c - x2 * s
-        out[..., half:rotary_dim] = x2 * c + x1 * s
+        part = x[..., :rotary_dim]
+        swapped = np.concatenate([part[..., half:], part[..., :half]], axis=-1)      # [T, heads, rd]
+        swapped *= np.concatenate([-sin, sin], axis=-1)[:, None, :]
+        out = np.empty(x.shape, dtype=F32)
+        np.multiply(part, np.concatenate([cos, cos], axis=-1)[:, None, :], out=out[..., :rotary_dim])
+        out[..., :rotary_dim] += swapped
+        out[..., rotary_dim:] = x[..., rotary_dim:]
         return out
 
     # ---- attention over the KV cache -----------------------------------------------------------------------
@@ -120,14 +132,13 @@ class NumpyOps:
         """One sequence: q [n, H, hd] at positions start..start+n-1; k_seq, v_seq [Hkv, Lmax, hd] -> [n, H*hd]."""
         n, heads, hd = q.shape
         kv_heads = k_seq.shape[0]
-        length = start + n
-        qg = q.transpose(1, 0, 2).reshape(kv_heads, heads // kv_heads * n, hd)     # [Hkv, g*n, hd]
-        scores = (qg @ k_seq[:, :length].transpose(0, 2, 1)) * F32(scale)         # [Hkv, g*n, L]
-        scores = scores.reshape(kv_heads, heads // kv_heads, n, length)
-        future = np.arange(length)[None, :] > (start + np.arange(n))[:, None]     # [n, L]
-        scores[..., future] = -np.inf
-        probs = _softmax(scores).reshape(kv_heads, heads // kv_heads * n, length)
-        out = probs @ v_seq[:, :length]                                            # [Hkv, g*n, hd]
+        group, length = heads // kv_heads, start + n
+        qg = (q * F32(scale)).transpose(1, 0, 2).reshape(kv_heads, group * n, hd)   # [Hkv, g*n, hd]
+        scores = (qg @ k_seq[:, :length].transpose(0, 2, 1)).reshape(kv_heads, group, n, length)
+        if n > 1:
+            scores += _causal_mask(start, n, length)                                  # [n, L] of 0 / -inf
+        probs = _softmax(scores).reshape(kv_heads, group * n, length)
+        out = probs @ v_seq[:, :length]                                                # [Hkv, g*n, hd]
         return out.reshape(heads, n, hd).transpose(1, 0, 2).reshape(n, heads * hd)
 
     @staticmethod
@@ -137,18 +148,27 @@ class NumpyOps:
         kv_heads = cache_k.shape[1]
         lengths = step.starts + 1                                                  # [S]
         L = int(lengths.max())
-        keys = cache_k[step.slots, :, :L]                                          # [S, Hkv, L, hd]
-        values = cache_v[step.slots, :, :L]
-        qg = q.reshape(S, kv_heads, heads // kv_heads, hd)                         # [S, Hkv, g, hd]
-        scores = (qg @ keys.transpose(0, 1, 3, 2)) * F32(scale)                    # [S, Hkv, g, L]
-        beyond = np.arange(L)[None, :] >= lengths[:, None]                         # [S, L]
-        scores[np.broadcast_to(beyond[:, None, None, :], scores.shape)] = -np.inf
+        first = int(step.slots[0])
+        if np.array_equal(step.slots, np.arange(first, first + S)):               # a view, no copy
+            keys, values = cache_k[first:first + S, :, :L], cache_v[first:first + S, :, :L]
+        else:
+            keys, values = cache_k[step.slots, :, :L], cache_v[step.slots, :, :L]  # [S, Hkv, L, hd]
+        qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)         # [S, Hkv, g, hd]
+        scores = qg @ keys.transpose(0, 1, 3, 2)                                   # [S, Hkv, g, L]
+        if np.any(lengths < L):
+            scores += np.where(np.arange(L)[None, :] < lengths[:, None], F32(0), F32(-np.inf))[:, None, None, :]
         out = _softmax(scores) @ values                                            # [S, Hkv, g, hd]
         return out.reshape(S, heads * hd)
 
     # ---- sampling helpers ----------------------------------------------------------------------------------
     def argmax(self, logits):
         return np.argmax(logits, axis=-1)
+
+
+def _causal_mask(start: int, n: int, length: int) -> np.ndarray:
+    """[n, L]: 0 where token i (at position start + i) may attend to position j, -inf for the future."""
+    future = np.arange(length)[None, :] > (start + np.arange(n))[:, None]
+    return np.where(future, F32(-np.inf), F32(0))
 
 
 def _softmax(scores):

@@ -26,13 +26,11 @@ class Attention:
     def __call__(self, x, step, cache_k, cache_v, rope):     # x [T, D] -> [T, D]
         T, hd = x.shape[0], self.head_dim
         qkv = self.qkv(x)                                    # [T, (H + 2 Hkv) hd]
-        q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd
-        q = qkv[:, :q_end].reshape(T, self.heads, hd)
-        k = qkv[:, q_end:k_end].reshape(T, self.kv_heads, hd)
+        k_end = (self.heads + self.kv_heads) * hd
+        qk = qkv[:, :k_end].reshape(T, self.heads + self.kv_heads, hd)
+        if rope is not None:                                 # q and k heads rotate together, in one call
+            qk = self.ops.rotary(qk, *rope, self.arch.rotary_dim)
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
         v = qkv[:, k_end:].reshape(T, self.kv_heads, hd)
-        if rope is not None:
-            cos, sin = rope
-            q = self.ops.rotary(q, cos, sin, self.arch.rotary_dim)
-            k = self.ops.rotary(k, cos, sin, self.arch.rotary_dim)
         ctx = self.ops.attention(q, k, v, cache_k, cache_v, step, self.scale)   # [T, H hd]
         return self.out(ctx)

@@ -58,12 +58,12 @@ class ColumnParallelLinear:
         self.ops, self.tp, self.names, self.out_sizes = ops, tp, names, out_sizes
         self.bias, self.dtype = bias, weight_dtype(dtype)
         self.local_sizes = [n // tp.size for n in out_sizes]
-        self.w = self.b = None                                    # w [in, sum(local_sizes)] (a transposed view)
+        self.w = self.b = None                                    # w [sum(local_sizes), in]
 
     def load(self, ckpt):
         rows = [even_shard(n, self.tp.size, self.tp.rank) for n in self.out_sizes]
         w = np.concatenate([ckpt.read(f"{name}.weight", r) for name, r in zip(self.names, rows)])
-        self.w = self.ops.asarray(w.astype(self.dtype)).T           # stored [out_local, in] -> use as [in, out_local]
+        self.w = self.ops.asarray(w.astype(self.dtype))
         if self.bias:
             b = np.concatenate([ckpt.read(f"{name}.bias", r) for name, r in zip(self.names, rows)])
             self.b = self.ops.asarray(b.astype(np.float32))
@@ -78,11 +78,12 @@ class RowParallelLinear:
     def __init__(self, ops, tp, name: str, in_size: int, bias: bool, dtype: str):
         self.ops, self.tp, self.name, self.in_size = ops, tp, name, in_size
         self.bias, self.dtype = bias, weight_dtype(dtype)
-        self.w = self.b = None                                    # w [in_local, out]
+        self.w = self.b = None                                    # w [out, in_local]
 
     def load(self, ckpt):
         rows = even_shard(self.in_size, self.tp.size, self.tp.rank)
-        self.w = self.ops.asarray(ckpt.read(f"{self.name}.weight", rows).astype(self.dtype))
+        block = ckpt.read(f"{self.name}.weight", rows)            # stored [in_local, out]
+        self.w = self.ops.asarray(block.T.astype(self.dtype))     # compute layout [out, in_local], contiguous
         if self.bias:
             self.b = self.ops.asarray(ckpt.read(f"{self.name}.bias").astype(np.float32))
 
@@ -118,5 +119,5 @@ class VocabParallelEmbedding:
         return reduce_from_tp(out, self.tp)
 
     def logits(self, x):                                          # x [S, D] -> [S, V] on every tp rank
-        local = self.ops.linear(x, self.table.T)                  # [S, Vs]
+        local = self.ops.linear(x, self.table)                    # [S, Vs]
         return gather_from_tp(local, self.tp, self.ops.xp)[:, :self.vocab]
