@@ -24,6 +24,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # before anything imports huggingface_hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")              # transformers' GGUF dequantization progress bar
 
 import numpy as np  # noqa: E402
 
@@ -83,6 +84,38 @@ def loadavg() -> list | None:
         return None
 
 
+class CpuMeter:
+    """How much CPU other processes used while we measured: (machine busy time - our own CPU time) / wall time,
+    in CPUs (0 = the machine was ours alone), from /proc/stat and os.times(); also the hypervisor's steal time."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        except (OSError, ValueError, IndexError):
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        own = os.times()
+        return (time.perf_counter(), (user + nice + system + irq + softirq) / tick, steal / tick,
+                own.user + own.system)
+
+    def lap(self) -> dict | None:
+        """Figures since the previous lap (or since creation)."""
+        now = self._sample()
+        if now is None or self.start is None:
+            return None
+        (t0, busy0, steal0, own0), (t1, busy1, steal1, own1) = self.start, now
+        self.start = now
+        wall = max(t1 - t0, 1e-9)
+        return {"wall_s": round(wall, 2), "own_cpus": round((own1 - own0) / wall, 2),
+                "other_cpus": round(max(0.0, (busy1 - busy0) - (own1 - own0)) / wall, 2),
+                "steal_cpus": round((steal1 - steal0) / wall, 2)}
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
@@ -114,25 +147,40 @@ def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 # ---- memory read bandwidth -------------------------------------------------------------------------------------
 
 class Bandwidth:
-    """Read bandwidth from a float32 GEMV y = A @ x over a ~`nbytes` matrix: BLAS reads every byte of A once and
-    writes a vector that stays in cache, on the configured BLAS threads (OpenBLAS sgemv through NumPy)."""
+    """Memory read bandwidth from read-only passes over one ~`nbytes` float32 matrix A [R, C] (every page written
+    first), on the configured threads. Three kernels, each reading every byte of A once and writing almost nothing:
+      gemv_t: NumPy A @ x  (x [C]): BLAS sgemv, dot products along A's rows;
+      gemv_n: NumPy x @ A  (x [R]): BLAS sgemv, axpy along A's rows;
+      torch_sum: torch.sum(A) over the same memory (torch's OpenMP threads).
+    Their speeds differ by ~10% on one machine; the reference bandwidth is the best median of the three."""
 
     COLS = 8192
+    KERNELS = ("gemv_t", "gemv_n", "torch_sum")
 
     def __init__(self, nbytes: int):
+        import torch
+
         rows = max(1, nbytes // (4 * self.COLS))
         self.a = np.empty((rows, self.COLS), dtype=np.float32)
         self.a.fill(1.0)                     # touch every page (np.zeros would leave them mapped to the zero page)
-        self.x = np.ones(self.COLS, dtype=np.float32)
+        self.x_cols = np.ones(self.COLS, dtype=np.float32)
+        self.x_rows = np.ones(rows, dtype=np.float32)
+        self.a_torch = torch.from_numpy(self.a)   # shares the memory
         self.nbytes, self.shape = self.a.nbytes, self.a.shape
+        self.calls = {"gemv_t": lambda: np.dot(self.a, self.x_cols), "gemv_n": lambda: np.dot(self.x_rows, self.a),
+                      "torch_sum": lambda: self.a_torch.sum()}
 
-    def run(self, reps: int) -> list:
-        times = []
+    def run(self, reps: int) -> dict:
+        times = {k: [] for k in self.KERNELS}
         for _ in range(reps):
-            t0 = time.perf_counter()
-            np.dot(self.a, self.x)
-            times.append(time.perf_counter() - t0)
+            for kernel in self.KERNELS:
+                t0 = time.perf_counter()
+                self.calls[kernel]()
+                times[kernel].append(time.perf_counter() - t0)
         return times
+
+    def release(self) -> None:
+        self.a = self.a_torch = self.calls = None
 
 
 # ---- hpcinfer --------------------------------------------------------------------------------------------------
@@ -267,8 +315,10 @@ def markdown(result: dict) -> str:
                      f"{med['transformers'][key]:.1f} | {ratio[key]:.2f}× |")
     bw = result["bandwidth"]
     lines += ["",
-              f"Memory read bandwidth: **{bw['GBps_median']:.1f} GB/s** (NumPy float32 GEMV over "
-              f"{bw['bytes'] / 1e9:.2f} GB, {s['threads']} BLAS threads, median of {len(flat(bw['times_s']))}).",
+              f"Memory read bandwidth: **{bw['GBps_median']:.1f} GB/s** (best median of read-only passes over a "
+              f"{bw['bytes'] / 1e9:.2f} GB float32 matrix on {s['threads']} threads: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in bw["GBps_by_kernel"].items())
+              + f" GB/s; {len(bw['times_s']) * len(bw['times_s'][0]['gemv_t'])} passes each).",
               f"Batch-1 decode streams {der['weight_bytes_per_token'] / 1e6:.0f} MB of float32 matmul weights per "
               f"token: hpcinfer **{der['hpcinfer_decode_GBps']:.1f} GB/s = "
               f"{100 * der['hpcinfer_fraction_of_bandwidth']:.0f}%** of the measured bandwidth "
@@ -281,7 +331,8 @@ def markdown(result: dict) -> str:
               f"Greedy tokens agree (common prefix, min over sequences): batch 1 "
               f"{result['checks']['b1']['min']}/{result['checks']['b1']['length']}, batch {s['batch']} "
               f"{result['checks']['batch']['min']}/{result['checks']['batch']['length']}. "
-              f"Load average start/end: {result['machine']['loadavg_start']} / {result['machine']['loadavg_end']}."]
+              f"Other processes' CPU use per round (CPUs, 0 = quiet): "
+              f"{[r['other_cpus'] for r in result['machine']['cpu_use_per_round'] if r]}."]
     return "\n".join(lines) + "\n"
 
 
@@ -304,8 +355,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-new-tokens", type=int, default=16, help="tokens generated at batch --batch")
     p.add_argument("--prefill-runs", type=int, default=2,
                    help="extra prefill-only runs per round (plus the batch-1 generation's own prefill)")
-    p.add_argument("--bandwidth-bytes", type=float, default=2**30, help="size of the GEMV matrix")
-    p.add_argument("--bandwidth-reps", type=int, default=4, help="GEMVs per round")
+    p.add_argument("--bandwidth-bytes", type=float, default=2**30, help="bytes of the bandwidth matrix")
+    p.add_argument("--bandwidth-reps", type=int, default=4, help="passes of each read kernel per round")
     p.add_argument("--no-warmup", action="store_true")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2 or args.batch_new_tokens < 2 or args.batch < 1:
@@ -350,7 +401,8 @@ def main(argv=None) -> int:
         for system in systems:
             measure(system, prompts, warm)
 
-    raw = {"bandwidth": [], "hpcinfer": {k: [] for k, _ in FIGURES}, "transformers": {k: [] for k, _ in FIGURES}}
+    meter = CpuMeter()
+    raw = {"cpu_use": [], "bandwidth": [], **{s.name: {k: [] for k, _ in FIGURES} for s in systems}}
     tokens = {}
     for r in range(args.repeats):
         time.sleep(SWITCH_PAUSE_S)
@@ -359,18 +411,22 @@ def main(argv=None) -> int:
             timings, tokens[system.name] = measure(system, prompts, args)
             for key, values in timings.items():
                 raw[system.name][key].append(values)
+        raw["cpu_use"].append(meter.lap())
         log(f"round {r + 1}/{args.repeats}: " + ", ".join(
             f"{s.name} {1e3 * median(raw[s.name]['decode_b1_s'][-1]):.1f}/"
             f"{1e3 * median(raw[s.name]['decode_batch_s'][-1]):.1f} ms" for s in systems)
-            + f" (decode b1/b{args.batch}); {time.perf_counter() - t_start:.0f} s elapsed")
-    del bw.a
+            + f" (decode b1/b{args.batch}); other processes: {(raw['cpu_use'][-1] or {}).get('other_cpus')} CPUs; "
+            f"{time.perf_counter() - t_start:.0f} s elapsed")
+    bw.release()
 
     medians = {s.name: {k: 1e3 * median(flat(raw[s.name][k])) for k, _ in FIGURES} for s in systems}
     speedup = {k: medians["transformers"][k] / medians["hpcinfer"][k] for k, _ in FIGURES}
     speedup_per_round = {k: [median(t) / median(h) for h, t in zip(raw["hpcinfer"][k], raw["transformers"][k])]
                          for k, _ in FIGURES}
-    bw_median_s = median(flat(raw["bandwidth"]))
-    bw_gbps = bw.nbytes / bw_median_s / 1e9
+    bw_median_s = {k: median(x for r in raw["bandwidth"] for x in r[k]) for k in Bandwidth.KERNELS}
+    bw_gbps_by_kernel = {k: bw.nbytes / t / 1e9 for k, t in bw_median_s.items()}
+    bw_best = max(bw_gbps_by_kernel, key=bw_gbps_by_kernel.get)
+    bw_gbps = bw_gbps_by_kernel[bw_best]
     weight_bytes = matmul_params(hpc.model.arch) * 4
     hpc_gbps = weight_bytes / (medians["hpcinfer"]["decode_b1_s"] / 1e3) / 1e9
     hf_gbps = weight_bytes / (medians["transformers"]["decode_b1_s"] / 1e3) / 1e9
@@ -381,7 +437,10 @@ def main(argv=None) -> int:
         "date": started.date().isoformat(),
         "timestamp": started.isoformat(timespec="seconds"),
         "elapsed_s": None,
-        "machine": {**machine_info(), "loadavg_start": load_start, "loadavg_end": None},
+        "machine": {**machine_info(), "loadavg_start": load_start, "loadavg_end": None,
+                    "cpu_use_per_round": raw["cpu_use"],
+                    "_cpu_use": "per measured round: own_cpus = this process's CPU use, other_cpus = every other "
+                                "process's (0 = a quiet machine), steal_cpus = taken by the hypervisor; in CPUs"},
         "software": {"numpy": np.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "git_commit": git_commit(),
                      "blas": [{k: i.get(k) for k in ("internal_api", "version", "architecture", "num_threads",
@@ -397,11 +456,12 @@ def main(argv=None) -> int:
         "model": {"checkpoint": args.checkpoint, "gguf": args.gguf, "family": arch.family,
                   "layers": arch.num_layers, "parameters": arch.param_count(), "matmul_params": matmul_params(arch),
                   "hpcinfer_load_s": hpc.load_s, "transformers_load_s": hf.load_s},
-        "bandwidth": {"method": f"median time of y = A @ x, A float32 {list(bw.shape)} C-contiguous "
-                                f"({bw.nbytes} bytes, every page written first), x float32; NumPy -> BLAS sgemv on "
-                                f"{args.threads} thread(s); GB/s = bytes of A / time",
+        "bandwidth": {"method": f"read-only passes over A float32 {list(bw.shape)} C-contiguous ({bw.nbytes} "
+                                f"bytes, every page written first) on {args.threads} thread(s): gemv_t = NumPy A @ x, "
+                                f"gemv_n = NumPy x @ A (BLAS sgemv), torch_sum = torch.sum(A); GB/s = bytes of A / "
+                                f"median time; the reference is the best kernel's median",
                       "bytes": bw.nbytes, "times_s": raw["bandwidth"], "median_s": bw_median_s,
-                      "GBps_median": bw_gbps},
+                      "GBps_by_kernel": bw_gbps_by_kernel, "best_kernel": bw_best, "GBps_median": bw_gbps},
         "raw_s": {"hpcinfer": raw["hpcinfer"], "transformers": raw["transformers"],
                   "_layout": "per figure: one list per round; decode lists hold every decode step of that round"},
         "medians_ms": medians,
@@ -427,8 +487,10 @@ def main(argv=None) -> int:
     Path(f"{stem}.md").write_text(text)
     print(text)
     log(f"wrote {stem}.json and {stem}.md in {result['elapsed_s']:.0f} s")
-    if load_start and load_start[0] > 0.5 * result["machine"]["cpus_usable"]:
-        log(f"warning: load average {load_start} at start: something else was running; times are inflated")
+    busy = [r["other_cpus"] for r in raw["cpu_use"] if r]
+    if busy and max(busy) > 0.2:
+        log(f"warning: other processes used up to {max(busy):.2f} CPUs during a round (per round: {busy}); "
+            f"the times of those rounds are inflated")
     return 0
 
 
