@@ -45,7 +45,24 @@ class ModelSection:
 @dataclass(frozen=True)
 class ParallelSection:
     tp: int = field(default=1, metadata=_meta("tensor-parallel degree", _positive))
-    pp: int = field(default=1, metadata=_meta("pipeline stages (only 1 in this version)", _positive))
+    pp: int = field(default=1, metadata=_meta("pipeline stages", _positive))
+    ranks_per_node: int = field(default=0, metadata=_meta("ranks per node; 0 = from MPI's shared-memory split",
+                                                          _non_negative))
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    prompt_micro_batches: int = field(default=0, metadata=_meta("micro-batches of the prompt phase; 0 = pp",
+                                                                _non_negative))
+    gen_micro_batches: int = field(default=0, metadata=_meta("micro-batches of the token phase; 0 = pp",
+                                                             _non_negative))
+    kv_offload_threshold: int | str = field(default=0, metadata=_meta(
+        "device KV-cache bytes per rank above which idle micro-batches' KV goes to host memory; 0 = off",
+        lambda v: _bytes_check(v)))
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        return parse_bytes(self.kv_offload_threshold)
 
 
 @dataclass(frozen=True)
@@ -69,8 +86,8 @@ class GenerateSection:
     metrics: str | None = field(default=None, metadata=_meta("optional JSON metrics file", _path))
 
 
-SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "runtime": RuntimeSection,
-            "generate": GenerateSection}
+SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "schedule": ScheduleSection,
+            "runtime": RuntimeSection, "generate": GenerateSection}
 REQUIRED_SECTIONS = ("model", "generate")
 
 
@@ -79,6 +96,7 @@ class Config:
     path: str
     model: ModelSection
     parallel: ParallelSection
+    schedule: ScheduleSection
     runtime: RuntimeSection
     generate: GenerateSection
 
@@ -123,10 +141,36 @@ def _build(path: str, raw: dict) -> Config:
             raise ConfigError(f"{path}: missing section [{name}]")
     sections = {name: _build_section(path, name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()}
     config = Config(path=path, **sections)
-    if config.parallel.pp != 1:
-        raise ConfigError(f"{path}: [parallel] pp = {config.parallel.pp}: pipeline parallelism is not available in "
-                          f"this version; use pp = 1")
+    batch = config.generate.batch_size
+    for key in ("prompt_micro_batches", "gen_micro_batches"):
+        value = getattr(config.schedule, key)
+        if value > batch:
+            raise ConfigError(f"{path}: schedule.{key} = {value} is above [generate] batch_size = {batch}; "
+                              f"a micro-batch needs at least one prompt")
     return config
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value) -> int:
+    """An integer number of bytes, or a string with a unit: "512MB", "2GiB", "1.5 GB" (decimal or binary)."""
+    if isinstance(value, int):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(value)
+    return int(float(number) * _UNITS[unit])
+
+
+def _bytes_check(value):
+    try:
+        return parse_bytes(value) >= 0, "must be >= 0"
+    except ValueError:
+        return False, "must be a number of bytes or a size such as \"512MB\" or \"2GiB\""
 
 
 def _build_section(path: str, name: str, cls, values) -> object:
@@ -146,9 +190,10 @@ def _build_section(path: str, name: str, cls, values) -> object:
     return cls(**kwargs)
 
 
-_TYPES = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,), "str | None": (str,)}
+_TYPES = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,), "str | None": (str,),
+          "int | str": (int, str)}
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-               "str | None": "a string"}
+               "str | None": "a string", "int | str": "a number of bytes or a size string such as \"512MB\""}
 
 
 def _check_value(path: str, key: str, f: dataclasses.Field, value):

@@ -1,4 +1,5 @@
-"""The metrics of one run: config echo, mesh, timings, tokens/s, achieved bandwidth and FLOP rate."""
+"""The metrics of one run: config echo, mesh, timings, tokens/s, achieved bandwidth and FLOP rate, and the
+pipeline's per-stage busy time and bubble fraction. Built on rank 0 from every rank's RankReport."""
 
 from __future__ import annotations
 
@@ -18,21 +19,36 @@ def matmul_params(arch) -> int:
     return total
 
 
-def summarize(config, model, mesh, replica_times: list, generate_s: float, load_s: float, total_s: float,
-              threads: int) -> dict:
-    arch = model.arch
-    decode = np.concatenate([np.asarray(t.decode_s) for t in replica_times]) if replica_times else np.zeros(0)
-    prompt_tokens = sum(t.prompt_tokens for t in replica_times)
-    generated = sum(t.generated_tokens for t in replica_times)
-    prefill_s = max((t.prefill_s for t in replica_times), default=0.0)
-    itemsize = np.dtype(np.float32).itemsize if config.model.dtype == "float32" else 2
-    weight_bytes_per_rank = matmul_params(arch) * itemsize / mesh.shape.tp
+def _stage_rows(reports: list, stages: int) -> list:
+    """Per pipeline stage: the slowest rank's busy and waiting time; bubble = waiting / generation time."""
+    rows = []
+    for s in range(stages):
+        mine = [r for r in reports if r.coords[0] == s]
+        busy = max(r.times.busy_s for r in mine)
+        wait = max(r.times.wait_s for r in mine)
+        span = max(r.generate_s for r in mine)
+        rows.append({"stage": s, "busy_s": busy, "wait_s": wait,
+                     "bubble_fraction": wait / span if span > 0 else 0.0})
+    return rows
+
+
+def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> dict:
+    P = mesh.shape.pp
+    firsts = [r.times for r in reports if r.coords[0] == 0 and r.coords[2] == 0]        # one per dp replica
+    lasts = [r.times for r in reports if r.coords[0] == P - 1 and r.coords[2] == 0]
+    decode = np.concatenate([np.asarray(t.decode_s) for t in firsts]) if firsts else np.zeros(0)
+    prompt_tokens = sum(t.prompt_tokens for t in lasts)
+    generated = sum(t.generated_tokens for t in lasts)
+    generate_s = max(r.generate_s for r in reports)
+    prefill_s = max((t.prefill_s for t in lasts), default=0.0)
+    itemsize = 4 if config.model.dtype == "float32" else 2
+    weight_bytes_per_rank = matmul_params(arch) * itemsize / (mesh.shape.tp * P)
     median_step = float(np.median(decode)) if decode.size else float("nan")
-    flops_per_token = 2 * matmul_params(arch)
+    stages = _stage_rows(reports, P)
     return {
         "config": dataclasses.asdict(config),
-        "mesh": {"world": mesh.world.size, "pp": mesh.shape.pp, "dp": mesh.shape.dp, "tp": mesh.shape.tp,
-                 "threads_per_rank": threads},
+        "mesh": {"world": mesh.world.size, "pp": P, "dp": mesh.shape.dp, "tp": mesh.shape.tp,
+                 "ranks_per_node": mesh.ranks_per_node, "threads_per_rank": threads},
         "model": {"family": arch.family, "parameters": arch.param_count(), "layers": arch.num_layers,
                   "hidden": arch.hidden_size, "vocab": arch.vocab_size},
         "load_s": load_s,
@@ -47,6 +63,17 @@ def summarize(config, model, mesh, replica_times: list, generate_s: float, load_
         "decode_step_ms": {"median": median_step * 1e3,
                            "p90": float(np.percentile(decode, 90)) * 1e3 if decode.size else float("nan")},
         "decode_weight_bandwidth_GBps_per_rank": weight_bytes_per_rank / median_step / 1e9 if decode.size else 0.0,
-        "flop_rate_GFLOPs_per_rank": (flops_per_token * (prompt_tokens + generated) / mesh.world.size
+        "flop_rate_GFLOPs_per_rank": (2 * matmul_params(arch) * (prompt_tokens + generated) / mesh.world.size
                                       / generate_s / 1e9) if generate_s > 0 else 0.0,
+        "pipeline": {
+            "prompt_phase_s": prefill_s,
+            "gen_phase_s": max((t.gen_phase_s for t in lasts), default=0.0),
+            "bubble_fraction": float(np.mean([s["bubble_fraction"] for s in stages])),
+            "stages": stages,
+        },
+        "kv_cache": {
+            "peak_device_bytes_per_rank": max(r.times.kv_peak_device_bytes for r in reports),
+            "offloaded_bytes_to_host": sum(r.times.kv_bytes_to_host for r in reports),
+            "fetched_bytes_to_device": sum(r.times.kv_bytes_to_device for r in reports),
+        },
     }

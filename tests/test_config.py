@@ -175,7 +175,7 @@ def test_unknown_section(write):
     path = write(render() + "[generation]\nseed = 1\n")
     message = config_error(path)
     assert path in message and "unknown section [generation]" in message
-    assert "model, parallel, runtime, generate" in message
+    assert "model, parallel, schedule, runtime, generate" in message
 
 
 @pytest.mark.parametrize("missing", ["model", "generate"])
@@ -220,8 +220,24 @@ KEY_ERRORS = {
     "dtype = int3": ({"model.dtype": '"int3"'},
                      ["model.dtype = 'int3'", "not allowed", "float32, float16, bfloat16"]),
     "backend = tpu": ({"runtime.backend": '"tpu"'}, ["runtime.backend = 'tpu'", "auto, numpy, cupy"]),
-    "pp = 2": ({"parallel.pp": "2"}, ["pp = 2", "pipeline parallelism is not available", "use pp = 1"]),
+    "ranks_per_node = -1": ({"parallel.ranks_per_node": "-1"}, ["parallel.ranks_per_node = -1", "must be >= 0"]),
+    "prompt micro-batches above the batch": ({"schedule.prompt_micro_batches": "99"},
+                                             ["schedule.prompt_micro_batches = 99", "batch_size"]),
+    "gen micro-batches below 0": ({"schedule.gen_micro_batches": "-1"},
+                                  ["schedule.gen_micro_batches = -1", "must be >= 0"]),
+    "offload threshold unit": ({"schedule.kv_offload_threshold": '"12 parsecs"'},
+                               ["schedule.kv_offload_threshold", "512MB"]),
+    "offload threshold type": ({"schedule.kv_offload_threshold": "1.5"},
+                               ["schedule.kv_offload_threshold = 1.5", "number of bytes"]),
 }
+
+
+@pytest.mark.parametrize("text, expected", [(0, 0), (4096, 4096), ("512MB", 512 * 10**6), ("2GiB", 2 * 2**30),
+                                            ("1.5 kB", 1500), ("64", 64)])
+def test_byte_sizes_parse(text, expected):
+    from hpcinfer.config import parse_bytes
+
+    assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("changes, fragments", KEY_ERRORS.values(), ids=KEY_ERRORS.keys())

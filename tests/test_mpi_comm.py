@@ -49,7 +49,7 @@ def test_mesh_coordinates_put_tp_fastest():
 def test_mesh_groups_hold_the_expected_ranks():
     comm = world()
     tp = 2
-    mesh = build_mesh(comm, tp=tp, pp=1)
+    mesh = build_mesh(comm, tp=tp, pp=1, ranks_per_node=comm.Get_size())
     r = comm.Get_rank()
     members = lambda g: sorted(g.comm.allgather(r))
     assert members(mesh.tp) == [r // tp * tp + i for i in range(tp)]

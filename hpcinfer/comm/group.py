@@ -49,6 +49,21 @@ class MPIGroup:
     def barrier(self) -> None:
         self.comm.Barrier()
 
+    # point-to-point (pipeline stages): a small picklable header, then an optional array payload
+    def isend_object(self, obj, dest: int, tag: int):
+        return self.comm.isend(obj, dest=dest, tag=tag)
+
+    def recv_object(self, source: int, tag: int):
+        return self.comm.recv(source=source, tag=tag)
+
+    def isend_array(self, x: np.ndarray, dest: int, tag: int):
+        return self.comm.Isend(np.ascontiguousarray(x), dest=dest, tag=tag)
+
+    def recv_array(self, shape, dtype, source: int, tag: int) -> np.ndarray:
+        out = np.empty(shape, dtype=dtype)
+        self.comm.Recv(out, source=source, tag=tag)
+        return out
+
     def __repr__(self):
         return f"MPIGroup({self.name}, rank {self.rank} of {self.size})"
 
@@ -73,7 +88,8 @@ class SoloGroup:
 
 
 class Groups:
-    """The groups a model needs, passed in by the runtime (never found): tp now; pp, ep, expert_tp later."""
+    """The groups a model and its schedule need, passed in by the runtime (never found): tp and pp now; ep later."""
 
-    def __init__(self, tp=None):
+    def __init__(self, tp=None, pp=None):
         self.tp = tp if tp is not None else SoloGroup()
+        self.pp = pp if pp is not None else SoloGroup()

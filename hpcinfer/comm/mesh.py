@@ -24,6 +24,15 @@ class MeshShape:
                               f"launch a multiple of {tp * pp} ranks")
         return cls(pp=pp, dp=world_size // (tp * pp), tp=tp)
 
+    def check_nodes(self, ranks_per_node: int, key: str = "[parallel] ranks_per_node") -> None:
+        """Every node holds whole tensor-parallel groups, and the nodes divide the world."""
+        world = self.pp * self.dp * self.tp
+        if world % ranks_per_node:
+            raise ConfigError(f"{key} = {ranks_per_node} does not divide the world size {world}")
+        if ranks_per_node % self.tp:
+            raise ConfigError(f"{key} = {ranks_per_node} would split a tensor-parallel group of tp = {self.tp} "
+                              f"across nodes; use a multiple of {self.tp}")
+
     def coords(self, rank: int) -> tuple[int, int, int]:
         """world rank -> (pp_index, dp_index, tp_index)."""
         return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
@@ -36,22 +45,43 @@ class Mesh:
     tp: MPIGroup
     dp: MPIGroup
     pp: MPIGroup
+    ranks_per_node: int
 
     @property
     def coords(self) -> tuple[int, int, int]:
         return self.shape.coords(self.world.rank)
 
+    @property
+    def node(self) -> int:
+        return self.world.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within its node (ranks are placed on nodes in blocks of ranks_per_node)."""
+        return self.world.rank % self.ranks_per_node
+
     def describe(self) -> str:
         pp_i, dp_i, tp_i = self.coords
-        return f"rank {self.world.rank}: stage {pp_i}, dp replica {dp_i}, tp rank {tp_i}"
+        return f"rank {self.world.rank} (node {self.node}): stage {pp_i}, dp replica {dp_i}, tp rank {tp_i}"
 
 
-def build_mesh(comm, tp: int, pp: int) -> Mesh:
+def shared_memory_ranks(comm) -> int:
+    """Ranks on this rank's node, from MPI's shared-memory split (the same on every node of a regular job)."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    size = node.Get_size()
+    node.Free()
+    return size
+
+
+def build_mesh(comm, tp: int, pp: int, ranks_per_node: int) -> Mesh:
     """Split `comm` (the world) into the tp, dp and pp groups of this rank."""
     shape = MeshShape.for_world(comm.Get_size(), tp, pp)
+    shape.check_nodes(ranks_per_node)
     pp_i, dp_i, tp_i = shape.coords(comm.Get_rank())
     tp_comm = comm.Split(color=pp_i * shape.dp + dp_i, key=tp_i)
     dp_comm = comm.Split(color=pp_i * shape.tp + tp_i, key=dp_i)
     pp_comm = comm.Split(color=dp_i * shape.tp + tp_i, key=pp_i)
     return Mesh(shape, MPIGroup(comm, "world"), MPIGroup(tp_comm, "tp"), MPIGroup(dp_comm, "dp"),
-                MPIGroup(pp_comm, "pp"))
+                MPIGroup(pp_comm, "pp"), ranks_per_node)

@@ -1,19 +1,121 @@
-"""The KV cache of one batch: per layer, keys and values for every slot (sequence) up to its capacity."""
+"""The KV cache of one batch on one pipeline stage, with optional offload of idle micro-batches to host memory.
+
+Without offload, layer i keeps k[i], v[i]: [N sequences, Hkv local, Lmax, hd] and a sequence's slot is its index in
+the batch. With `[schedule] kv_offload_threshold` set and the cache larger than it, the layers this rank offloads
+(every other layer: even layers on even node-local ranks, odd layers on odd ones, so two ranks sharing a host link
+do not move bytes at once; DeepSpeed Inference IV-C) keep only `capacity` slots on the device. A micro-batch's
+sequences are given slots before it is computed (`prepare`); when slots run out, the sequences used most recently,
+which a round-robin schedule needs last, go to the host store. Device bytes never exceed the threshold.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from ..backend.ops import StepLayout
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KVOffload:
+    threshold_bytes: int         # device KV bytes this rank may hold
+    parity: int                  # layers with index % 2 == parity are offloadable here (node-local rank % 2)
+
+
+def kv_bytes_per_token(kv_heads: int, head_dim: int, layers: int) -> int:
+    return 2 * kv_heads * head_dim * layers * np.dtype(np.float32).itemsize
+
+
+def plan_offload(num_layers: int, first_layer: int, n_seqs: int, kv_heads: int, max_len: int, head_dim: int,
+                 offload: KVOffload | None, largest_micro_batch: int) -> tuple[set, int]:
+    """(local layers kept in a pool of slots, pool capacity in sequences). Raises ConfigError when the threshold
+    cannot hold one micro-batch. Used by the cache and, before any weight is read, by the runtime's checks."""
+    per_seq_layer = kv_bytes_per_token(kv_heads, head_dim, 1) * max_len
+    if offload is None or n_seqs * num_layers * per_seq_layer <= offload.threshold_bytes:
+        return set(), n_seqs
+    pooled = {i for i in range(num_layers) if (first_layer + i) % 2 == offload.parity}
+    resident_bytes = n_seqs * (num_layers - len(pooled)) * per_seq_layer
+    capacity = (offload.threshold_bytes - resident_bytes) // (len(pooled) * per_seq_layer) if pooled else 0
+    if capacity < largest_micro_batch:
+        raise ConfigError(
+            f"[schedule] kv_offload_threshold = {offload.threshold_bytes} bytes cannot hold the KV cache of a "
+            f"micro-batch of {largest_micro_batch} sequences on a stage with {num_layers} layers "
+            f"({resident_bytes} bytes for the layers this rank keeps on the device + "
+            f"{largest_micro_batch * len(pooled) * per_seq_layer} for the offloaded ones); raise it, or use more "
+            f"micro-batches")
+    return pooled, min(capacity, n_seqs)
 
 
 class KVCache:
-    """k[layer], v[layer]: [N slots, Hkv local, Lmax, hd] float32 arrays of the active backend."""
-
-    def __init__(self, ops, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int):
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [ops.zeros(shape, np.float32) for _ in range(num_layers)]
-        self.v = [ops.zeros(shape, np.float32) for _ in range(num_layers)]
-        self.max_len = max_len
+    def __init__(self, ops, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 offload: KVOffload | None = None, first_layer: int = 0, largest_micro_batch: int = 1):
+        self.ops, self.n_seqs, self.max_len = ops, slots, max_len
+        pooled, self.capacity = plan_offload(num_layers, first_layer, slots, kv_heads, max_len, head_dim, offload,
+                                             largest_micro_batch)
+        self.pooled = pooled                                      # local layer indices with `capacity` slots
+        shape = lambda i: (self.capacity if i in pooled else slots, kv_heads, max_len, head_dim)
+        self.k = [ops.zeros(shape(i), np.float32) for i in range(num_layers)]
+        self.v = [ops.zeros(shape(i), np.float32) for i in range(num_layers)]
+        self.host_k = {i: None for i in pooled}                   # host store, allocated on first eviction
+        self.host_v = {i: None for i in pooled}
+        self.slot_of = np.arange(slots) if not pooled else np.full(slots, -1, dtype=np.int64)
+        self.free = list(range(self.capacity))[::-1] if pooled else []
+        self.recent: list[int] = []                               # resident sequences, least recently used first
+        self.on_host: set[int] = set()
+        self.bytes_to_host = self.bytes_to_device = 0
+        self.peak_bytes = self.nbytes
 
     @property
     def nbytes(self) -> int:
+        """Device bytes of the cache (the compute arrays)."""
         return sum(int(a.nbytes) for a in self.k + self.v)
+
+    @property
+    def offloading(self) -> bool:
+        return bool(self.pooled)
+
+    def prepare(self, seqs) -> None:
+        """Give every sequence of the micro-batch about to run a device slot, evicting others if needed."""
+        if not self.pooled:
+            return
+        keep = {int(s) for s in seqs}
+        for seq in keep:
+            if self.slot_of[seq] < 0:
+                self._place(seq, keep)
+            else:
+                self.recent.remove(seq)
+            self.recent.append(seq)
+
+    def layer_step(self, layer: int, step: StepLayout) -> StepLayout:
+        """The step with slots that index this layer's arrays (sequence ids, or pool slots for offloaded layers)."""
+        if layer not in self.pooled:
+            return step
+        return StepLayout(self.slot_of[step.slots], step.starts, step.counts)
+
+    def _place(self, seq: int, keep: set) -> None:
+        if not self.free:
+            victim = next(s for s in reversed(self.recent) if s not in keep)     # most recently used
+            self._evict(victim)
+        slot = self.free.pop()
+        self.slot_of[seq] = slot
+        if seq in self.on_host:
+            for i in self.pooled:
+                self.k[i][slot] = self.ops.asarray(self.host_k[i][seq])
+                self.v[i][slot] = self.ops.asarray(self.host_v[i][seq])
+                self.bytes_to_device += int(self.k[i][slot].nbytes) * 2
+
+    def _evict(self, seq: int) -> None:
+        slot = int(self.slot_of[seq])
+        for i in self.pooled:
+            if self.host_k[i] is None:
+                self.host_k[i] = np.zeros((self.n_seqs, *self.k[i].shape[1:]), np.float32)
+                self.host_v[i] = np.zeros((self.n_seqs, *self.v[i].shape[1:]), np.float32)
+            self.host_k[i][seq] = self.ops.to_host(self.k[i][slot])
+            self.host_v[i][seq] = self.ops.to_host(self.v[i][slot])
+            self.bytes_to_host += int(self.k[i][slot].nbytes) * 2
+        self.on_host.add(seq)
+        self.recent.remove(seq)
+        self.slot_of[seq] = -1
+        self.free.append(slot)

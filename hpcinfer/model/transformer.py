@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..parallel.layers import Replicated, VocabParallelEmbedding
+from ..parallel.stages import StageSpec
 from .attention import Attention
 from .mlp import MLP
 from .norm import Norm
@@ -35,43 +36,58 @@ class Block:
 
 
 class Decoder:
-    """Embeddings, blocks, final norm and LM head. `forward` runs one step (prefill or decode, packed) and returns
-    the logits of each sequence's last new token."""
+    """Embeddings, blocks, final norm and LM head -- or, on a pipeline stage, the part of them that stage holds.
+    `embed_tokens`, `run_layers` and `logits` are the three pieces a stage may run; `forward` runs all three."""
 
-    def __init__(self, ops, groups, arch, dtype: str = "float32"):
+    def __init__(self, ops, groups, arch, dtype: str = "float32", stage: StageSpec | None = None):
         self.ops, self.tp, self.arch, self.dtype = ops, groups.tp, arch, dtype
-        self.embed = VocabParallelEmbedding(ops, self.tp, "embed.tokens", arch.vocab_size, dtype)
-        self.positions = Replicated(ops, "embed.positions") if arch.position == "learned" else None
+        self.stage = stage or StageSpec(0, 1, 0, arch.num_layers)
+        first, last = self.stage.is_first, self.stage.is_last
+        self.embed = VocabParallelEmbedding(ops, self.tp, "embed.tokens", arch.vocab_size, dtype) if first else None
+        self.positions = Replicated(ops, "embed.positions") if first and arch.position == "learned" else None
         self.rope = (RotaryTable(ops, arch.rotary_dim, arch.rope_theta, arch.max_positions)
                      if arch.position == "rotary" else None)
-        self.blocks = [Block(ops, self.tp, arch, i, dtype) for i in range(arch.num_layers)]
-        self.final_norm = Norm(ops, arch, "final_norm")
-        self.lm_head = (self.embed if arch.tied_embeddings else
-                        VocabParallelEmbedding(ops, self.tp, "lm_head.weight", arch.vocab_size, dtype))
+        self.blocks = [Block(ops, self.tp, arch, i, dtype) for i in self.stage.layers]
+        self.final_norm = Norm(ops, arch, "final_norm") if last else None
+        self.lm_head = None
+        if last:                                      # tied: the first stage's table, or the last stage's own copy
+            head_name = "embed.tokens" if arch.tied_embeddings else "lm_head.weight"
+            self.lm_head = (self.embed if first and arch.tied_embeddings else
+                            VocabParallelEmbedding(ops, self.tp, head_name, arch.vocab_size, dtype))
 
     @property
     def kv_heads_local(self) -> int:
         return self.arch.num_kv_heads // self.tp.size
 
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.blocks)
+
     def load(self, ckpt):
-        """Read this rank's shard of every tensor."""
-        self.embed.load(ckpt)
-        if self.positions is not None:
-            self.positions.load(ckpt)
-        for block in self.blocks:
-            block.load(ckpt)
-        self.final_norm.load(ckpt)
+        """Read this rank's shard of the tensors of its stage."""
+        parts = [self.embed, self.positions, *self.blocks, self.final_norm]
         if self.lm_head is not self.embed:
-            self.lm_head.load(ckpt)
+            parts.append(self.lm_head)
+        for part in parts:
+            if part is not None:
+                part.load(ckpt)
         return self
 
-    def forward(self, tokens: np.ndarray, step, cache):    # tokens [T] host ints -> logits [S, V] float32
-        positions = step.positions                           # [T]
-        x = self.embed.embed(tokens)                         # [T, D]
+    def embed_tokens(self, tokens: np.ndarray, step):      # tokens [T] host ints -> x [T, D]
+        x = self.embed.embed(tokens)
         if self.positions is not None:
-            x += self.positions.value[positions]
-        rope = self.rope(positions) if self.rope is not None else None
+            x += self.positions.value[step.positions]
+        return x
+
+    def run_layers(self, x, step, cache):                     # x [T, D] -> [T, D]
+        rope = self.rope(step.positions) if self.rope is not None else None
         for i, block in enumerate(self.blocks):
-            x = block(x, step, cache.k[i], cache.v[i], rope)
-        last = x[step.last_token_index]                      # [S, D]: only the last token of each sequence
-        return self.lm_head.logits(self.final_norm(last))    # [S, V]
+            x = block(x, cache.layer_step(i, step), cache.k[i], cache.v[i], rope)
+        return x
+
+    def logits(self, x, step):                                # x [T, D] -> [S, V]: each sequence's last token
+        last = x[step.last_token_index]
+        return self.lm_head.logits(self.final_norm(last))
+
+    def forward(self, tokens: np.ndarray, step, cache):      # the whole model (one stage): tokens [T] -> [S, V]
+        return self.logits(self.run_layers(self.embed_tokens(tokens, step), step, cache), step)

@@ -1,0 +1,184 @@
+"""The pipeline executor: one batch through the stages, in the order of generate/schedule.py.
+
+Stage 0 feeds every prompt micro-batch, then loops over a FIFO of generation micro-batches: it takes the oldest
+one in flight, waits for its sampled tokens from the last stage, and sends it on for its next token while it has
+running sequences. Middle stages receive, run their layers and pass on. The last stage runs its layers and the LM
+head, samples, and returns the tokens to stage 0. With one stage all of this happens in one process (the return
+path is a local queue). Shape legend: T=tokens of a step, S=sequences of a micro-batch, D=hidden.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+from ..backend.ops import StepLayout
+from ..comm.mappings import broadcast_from_tp_root
+from .engine import GenerationParams, ScheduleParams, Sequence, StepTimes
+from .kv_cache import KVCache
+from .sampling import sample, sequence_rng
+from .schedule import gen_ready_order, micro_batches
+
+
+def run_batch(model, prompts, indices, params: GenerationParams, times: StepTimes, schedule: ScheduleParams,
+              link) -> list | None:
+    arch, stage = model.arch, model.stage
+    seqs = [Sequence(i, list(p), min(len(p) + params.max_new_tokens, arch.max_positions),
+                     sequence_rng(params.seed, i)) for i, p in zip(indices, prompts)]
+    prompt_groups = micro_batches(len(seqs), schedule.prompt_micro_batches)
+    gen_groups = micro_batches(len(seqs), schedule.gen_micro_batches)
+    cache = KVCache(model.ops, model.num_local_layers, len(seqs), model.kv_heads_local,
+                    max(s.capacity for s in seqs), arch.head_dim, schedule.kv_offload, stage.first_layer,
+                    max(len(g) for g in prompt_groups + gen_groups))
+    runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups)
+    start = time.perf_counter()
+    if stage.is_first:
+        runner.drive()
+    else:
+        runner.serve()
+    if link is not None:
+        link.flush()
+    times.gen_phase_s += time.perf_counter() - start - runner.prompt_phase_s
+    times.prefill_s += runner.prompt_phase_s
+    times.kv_bytes_to_host += cache.bytes_to_host
+    times.kv_bytes_to_device += cache.bytes_to_device
+    times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.peak_bytes)
+    if stage.is_last:
+        times.prompt_tokens += sum(len(s.prompt) for s in seqs)
+        times.generated_tokens += sum(len(s.generated) for s in seqs)
+        return [(s.generated, s.finish_reason) for s in seqs]
+    return None
+
+
+class _StageRunner:
+    def __init__(self, model, link, cache, seqs, params, times, prompt_groups, gen_groups):
+        self.model, self.link, self.cache, self.seqs = model, link, cache, seqs
+        self.params, self.times = params, times
+        self.prompt_groups, self.gen_groups = prompt_groups, gen_groups
+        self.stage = model.stage
+        self.eos = set() if params.ignore_eos else set(model.arch.eos_token_ids)
+        self.start = time.perf_counter()
+        self.prompt_phase_s = 0.0
+        self.returned: deque = deque()                    # one stage: the return path is local
+        self.gen_released = [False] * len(gen_groups)
+        self.release_after = gen_ready_order(prompt_groups, gen_groups)
+
+    # ---- stage 0 --------------------------------------------------------------------------------------------
+    def drive(self) -> None:
+        """Feed the prompt micro-batches, then the generation micro-batches from the FIFO until all have stopped."""
+        for p, group in enumerate(self.prompt_groups):
+            ids = list(group)
+            tokens = np.concatenate([self.seqs[i].prompt for i in ids])
+            self._submit({"phase": "prompt", "mb": p, "seqs": ids, "starts": [0] * len(ids),
+                          "counts": [len(self.seqs[i].prompt) for i in ids]}, tokens)
+        if self.stage.is_last:
+            self.prompt_phase_s = time.perf_counter() - self.start
+        in_flight = deque(range(len(self.gen_groups)))      # answered by the last stage in this order
+        sent_at = {g: time.perf_counter() for g in in_flight}
+        while in_flight:
+            g = in_flight.popleft()
+            reply = self._receive_tokens()
+            assert reply["mb"] == g, "the last stage answers micro-batches in the order they were sent"
+            if not reply["prompt"]:
+                self.times.decode_s.append(time.perf_counter() - sent_at[g])
+            self._apply_tokens(reply)
+            running = [i for i in self.gen_groups[g] if self.seqs[i].finish_reason is None]
+            if not running:
+                continue
+            sent_at[g] = time.perf_counter()
+            self._submit({"phase": "gen", "mb": g, "seqs": running,
+                          "starts": [self.seqs[i].length - 1 for i in running], "counts": [1] * len(running)},
+                         np.array([self.seqs[i].generated[-1] for i in running], dtype=np.int64))
+            in_flight.append(g)
+        if not self.stage.is_last:
+            self.link.send_to_next_stage({"stop": True})
+
+    def _submit(self, header: dict, tokens: np.ndarray) -> None:
+        step = StepLayout.build(header["seqs"], header["starts"], header["counts"])
+        out = self._compute(step, lambda: self.model.embed_tokens(tokens, step))
+        if self.stage.is_last:
+            self._finish(header, out)
+        else:
+            self.link.send_to_next_stage(header, self.model.ops.to_host(out))
+            if header["phase"] == "prompt" and header["mb"] == len(self.prompt_groups) - 1:
+                self.prompt_phase_s = time.perf_counter() - self.start
+
+    def _receive_tokens(self) -> dict:
+        if self.stage.is_last:
+            return self.returned.popleft()
+        t0 = time.perf_counter()
+        reply, _ = self.link.recv_from_last_stage()
+        self.times.wait_s += time.perf_counter() - t0
+        return reply
+
+    def _apply_tokens(self, reply: dict) -> None:
+        """Stage 0 (and every stage that is not last) learns each sequence's new token and whether it stopped."""
+        if self.stage.is_last:
+            return                                          # the last stage already recorded them
+        for i, token, reason in zip(reply["seqs"], reply["tokens"], reply["finish"]):
+            self.seqs[i].generated.append(token)
+            self.seqs[i].finish_reason = reason
+
+    # ---- stages after the first ------------------------------------------------------------------------------
+    def serve(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            header, x = self.link.recv_from_prev_stage()
+            self.times.wait_s += time.perf_counter() - t0
+            if header.get("stop"):
+                if not self.stage.is_last:
+                    self.link.send_to_next_stage(header)
+                return
+            step = StepLayout.build(header["seqs"], header["starts"], header["counts"])
+            out = self._compute(step, lambda: self.model.ops.asarray(x))
+            if self.stage.is_last:
+                self._finish(header, out)
+            else:
+                self.link.send_to_next_stage(header, self.model.ops.to_host(out))
+                if header["phase"] == "prompt" and header["mb"] == len(self.prompt_groups) - 1:
+                    self.prompt_phase_s = time.perf_counter() - self.start
+
+    # ---- every stage -----------------------------------------------------------------------------------------
+    def _compute(self, step: StepLayout, first_input):
+        """This stage's share of one step: [embedding], its layers, [final norm + LM head -> logits [S, V]]."""
+        t0 = time.perf_counter()
+        self.cache.prepare(step.slots)
+        x = self.model.run_layers(first_input(), step, self.cache)                 # [T, D]
+        out = self.model.ops.to_host(self.model.logits(x, step)) if self.stage.is_last else x
+        self.times.busy_s += time.perf_counter() - t0
+        self.cache.peak_bytes = max(self.cache.peak_bytes, self.cache.nbytes)
+        return out
+
+    # ---- last stage ------------------------------------------------------------------------------------------
+    def _finish(self, header: dict, logits: np.ndarray) -> None:
+        """Sample one token per sequence (the same on every tp rank), record it, and return tokens to stage 0."""
+        ids = header["seqs"]
+        chosen = sample(logits, self.params.sampling, [self.seqs[i].rng for i in ids])          # [S]
+        chosen = broadcast_from_tp_root(chosen, self.model.tp)
+        for i, token in zip(ids, chosen.tolist()):
+            self._record(self.seqs[i], token)
+        if header["phase"] == "gen":
+            self._return_tokens(header["mb"], ids, prompt=False)
+            return
+        for after, g in self.release_after:                 # gen micro-batches whose first tokens are all known
+            if after == header["mb"]:
+                self._return_tokens(g, list(self.gen_groups[g]), prompt=True)
+        if header["mb"] == len(self.prompt_groups) - 1:
+            self.prompt_phase_s = time.perf_counter() - self.start
+
+    def _record(self, seq: Sequence, token: int) -> None:
+        seq.generated.append(token)
+        if token in self.eos:
+            seq.finish_reason = "stop"
+        elif len(seq.generated) >= self.params.max_new_tokens or seq.length >= seq.capacity:
+            seq.finish_reason = "length"
+
+    def _return_tokens(self, g: int, ids: list, prompt: bool) -> None:
+        reply = {"mb": g, "prompt": prompt, "seqs": ids, "tokens": [self.seqs[i].generated[-1] for i in ids],
+                 "finish": [self.seqs[i].finish_reason for i in ids]}
+        if self.stage.is_first:
+            self.returned.append(reply)
+        else:
+            self.link.send_to_first_stage(reply)

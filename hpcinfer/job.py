@@ -1,0 +1,141 @@
+"""A generation job: the set-up checks (before any weight is read), this rank's share of the batches, and the
+outputs rank 0 writes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .backend.ops import make_ops
+from .checkpoint.format import open_checkpoint
+from .comm.mesh import MeshShape
+from .errors import ConfigError
+from .generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+from .generate.kv_cache import KVOffload, plan_offload
+from .generate.output import result_record, write_metrics, write_results
+from .generate.prompts import load_prompts
+from .generate.sampling import SamplingParams
+from .generate.schedule import micro_batches
+from .generate.tokenizer import TextTokenizer
+from .metrics import summarize
+from .parallel.layout import check_tensor_parallel
+from .parallel.stages import partition_layers
+
+
+@dataclass
+class Job:
+    config: object
+    ckpt: object
+    tokenizer: object
+    prompts: list
+    stages: list                 # StageSpec per pipeline stage
+
+
+@dataclass
+class RankReport:
+    """What every rank sends to rank 0 at the end."""
+    coords: tuple                # (pp, dp, tp) index
+    results: list                # [(prompt index, generated ids, finish_reason)] (last stage, tp rank 0 only)
+    times: StepTimes
+    generate_s: float
+
+
+def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
+    """Everything that can be wrong with the inputs, checked on every rank before any weight is read."""
+    make_ops(config.runtime.backend)
+    ckpt = open_checkpoint(config.model.checkpoint)
+    try:
+        par = config.parallel
+        check_tensor_parallel(ckpt.arch, par.tp, config.path)
+        stages = partition_layers(ckpt.arch, par.pp, config.path)
+        MeshShape.for_world(world_size, par.tp, par.pp).check_nodes(ranks_per_node)
+        tokenizer = TextTokenizer.from_checkpoint(ckpt)
+        prompts = load_prompts(config.generate.prompts, ckpt.arch, tokenizer)
+        _check_kv_offload(config, ckpt.arch, stages, prompts)
+        if rank == 0:
+            _check_writable(config.generate.output, "[generate] output")
+            if config.generate.metrics:
+                _check_writable(config.generate.metrics, "[generate] metrics")
+    except Exception:
+        ckpt.close()
+        raise
+    return Job(config, ckpt, tokenizer, prompts, stages)
+
+
+def schedule_params(config, local_rank: int = 0) -> ScheduleParams:
+    sch, pp = config.schedule, config.parallel.pp
+    offload = KVOffload(sch.kv_offload_bytes, local_rank % 2) if sch.kv_offload_bytes else None
+    return ScheduleParams(sch.prompt_micro_batches or pp, sch.gen_micro_batches or pp, offload)
+
+
+def _batches(n_prompts: int, batch_size: int) -> list[range]:
+    return [range(a, min(a + batch_size, n_prompts)) for a in range(0, n_prompts, batch_size)]
+
+
+def _check_kv_offload(config, arch, stages, prompts) -> None:
+    """The KV offload threshold must hold one micro-batch on every stage, for every batch and rank parity."""
+    schedule = schedule_params(config)
+    if schedule.kv_offload is None:
+        return
+    g = config.generate
+    for batch in _batches(len(prompts), g.batch_size):
+        max_len = max(min(len(prompts[i].tokens) + g.max_new_tokens, arch.max_positions) for i in batch)
+        groups = micro_batches(len(batch), schedule.prompt_micro_batches) + \
+            micro_batches(len(batch), schedule.gen_micro_batches)
+        for stage in stages:
+            for parity in (0, 1):
+                plan_offload(len(stage.layers), stage.first_layer, len(batch),
+                             arch.num_kv_heads // config.parallel.tp, max_len, arch.head_dim,
+                             KVOffload(schedule.kv_offload.threshold_bytes, parity), max(len(x) for x in groups))
+
+
+def _check_writable(path: str, key: str) -> None:
+    if os.path.isdir(path):
+        raise ConfigError(f"{key} = '{path}' is a directory; give a file path")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{key} = '{path}': cannot create directory '{directory}' ({exc.strerror})") from None
+    if not os.access(directory, os.W_OK):
+        raise ConfigError(f"{key} = '{path}': directory '{directory}' is not writable")
+
+
+def generate_share(model, job: Job, mesh, link) -> tuple[StepTimes, list]:
+    """This data-parallel replica's batches (batch b goes to replica b mod dp), through its pipeline."""
+    g = job.config.generate
+    params = GenerationParams(g.max_new_tokens, SamplingParams(g.temperature, g.top_k, g.top_p), g.seed,
+                              g.ignore_eos)
+    schedule = schedule_params(job.config, mesh.local_rank)
+    _, dp_index, _ = mesh.coords
+    times, results = StepTimes(), []
+    for b, batch in enumerate(_batches(len(job.prompts), g.batch_size)):
+        if b % mesh.shape.dp != dp_index:
+            continue
+        indices = list(batch)
+        outputs = generate_batch(model, [job.prompts[i].tokens for i in indices], indices, params, times,
+                                 schedule, link)
+        if outputs is not None:
+            results += [(i, tokens, reason) for i, (tokens, reason) in zip(indices, outputs)]
+    return times, results
+
+
+def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> None:
+    results = sorted((r for report in reports for r in report.results), key=lambda r: r[0])
+    assert [r[0] for r in results] == list(range(len(job.prompts))), "every prompt is answered exactly once"
+    records = [result_record(job.prompts[i].id, tokens, reason, job.tokenizer) for i, tokens, reason in results]
+    write_results(job.config.generate.output, records)
+    for record in records:
+        answer = record.get("text", " ".join(map(str, record["output_tokens"])))
+        print(f"[{record['id']}] {answer!r} ({record['finish_reason']})", flush=True)
+    metrics = summarize(job.config, arch, mesh, reports, load_s, total_s, threads)
+    print(f"hpcinfer: {metrics['generated_tokens']} tokens generated for {len(records)} prompts in "
+          f"{metrics['generate_s']:.2f} s ({metrics['tokens_per_s']:.1f} tokens/s); results in "
+          f"{job.config.generate.output}", flush=True)
+    if mesh.shape.pp > 1:
+        stages = ", ".join(f"stage {s['stage']} busy {s['busy_s']:.2f} s, bubble {s['bubble_fraction']:.0%}"
+                           for s in metrics["pipeline"]["stages"])
+        print(f"hpcinfer: pipeline: {stages}", flush=True)
+    if job.config.generate.metrics:
+        write_metrics(job.config.generate.metrics, metrics)
+        print(f"hpcinfer: metrics in {job.config.generate.metrics}", flush=True)
