@@ -130,15 +130,15 @@ def test_run_alone_writes_results_in_input_order(job, reference):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["tokens_per_s"] > 0 and metrics["generated_tokens"] == MAX_NEW * len(PROMPT_LENGTHS)
     assert {k: metrics["mesh"][k] for k in ("world", "pp", "dp", "tp")} == {"world": 1, "pp": 1, "dp": 1, "tp": 1}
-    assert mesh_lines(done.stdout) == ["rank 0: stage 0, dp replica 0, tp rank 0"]
+    assert mesh_lines(done.stdout) == ["rank 0 (node 0): stage 0, dp replica 0, tp rank 0"]
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "output.jsonl"]   # no temp file left
 
 
 LAYOUTS = {
-    "n2-dp2": (2, 1, ["rank 0: stage 0, dp replica 0, tp rank 0", "rank 1: stage 0, dp replica 1, tp rank 0"]),
-    "n2-tp2": (2, 2, ["rank 0: stage 0, dp replica 0, tp rank 0", "rank 1: stage 0, dp replica 0, tp rank 1"]),
-    "n4-tp2-dp2": (4, 2, ["rank 0: stage 0, dp replica 0, tp rank 0", "rank 1: stage 0, dp replica 0, tp rank 1",
-                          "rank 2: stage 0, dp replica 1, tp rank 0", "rank 3: stage 0, dp replica 1, tp rank 1"]),
+    "n2-dp2": (2, 1, ["rank 0 (node 0): stage 0, dp replica 0, tp rank 0", "rank 1 (node 0): stage 0, dp replica 1, tp rank 0"]),
+    "n2-tp2": (2, 2, ["rank 0 (node 0): stage 0, dp replica 0, tp rank 0", "rank 1 (node 0): stage 0, dp replica 0, tp rank 1"]),
+    "n4-tp2-dp2": (4, 2, ["rank 0 (node 0): stage 0, dp replica 0, tp rank 0", "rank 1 (node 0): stage 0, dp replica 0, tp rank 1",
+                          "rank 2 (node 0): stage 0, dp replica 1, tp rank 0", "rank 3 (node 0): stage 0, dp replica 1, tp rank 1"]),
 }
 
 
@@ -146,7 +146,7 @@ LAYOUTS = {
 def test_every_layout_writes_the_same_results(job, reference, tmp_path, n, tp, expected_mesh):
     done = job.run(tmp_path, f"parallel.tp={tp}", n=n)
     assert done.returncode == 0, done.stderr
-    assert f"{n} ranks, mesh pp=1 dp={n // tp} tp={tp}" in done.stdout
+    assert f"{n} ranks on 1 node(s), mesh pp=1 dp={n // tp} tp={tp}" in done.stdout
     assert mesh_lines(done.stdout) == expected_mesh
     assert records(tmp_path) == records(reference[1])
     assert (tmp_path / "output.jsonl").read_text() == (reference[1] / "output.jsonl").read_text()
