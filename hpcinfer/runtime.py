@@ -93,6 +93,7 @@ def _run(world, config_path: str, overrides: list[str]) -> None:
         model = Decoder(make_ops(config.runtime.backend), Groups(tp=mesh.tp, pp=mesh.pp), ckpt.arch,
                         config.model.dtype, stage).load(ckpt)
     load_s = time.perf_counter() - t0
+    _injected_fault(rank)
 
     t0 = time.perf_counter()
     link = StageLink(mesh.pp) if mesh.shape.pp > 1 else None
@@ -103,6 +104,13 @@ def _run(world, config_path: str, overrides: list[str]) -> None:
     gathered = world.gather(RankReport(mesh.coords, local if is_writer else [], times, generate_s))
     if rank == 0:
         write_outputs(job, model.arch, mesh, gathered, load_s, time.perf_counter() - t_start, threads)
+
+
+def _injected_fault(rank: int) -> None:
+    """For tests of the failure discipline: HPCINFER_FAIL_RANK=r makes rank r fail after loading its weights,
+    while its peers go on into the schedule and wait for it."""
+    if os.environ.get("HPCINFER_FAIL_RANK") == str(rank):
+        raise RuntimeError(f"injected failure on rank {rank} (HPCINFER_FAIL_RANK)")
 
 
 def _print_mesh(world, mesh, threads: int) -> None:

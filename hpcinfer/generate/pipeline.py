@@ -23,7 +23,7 @@ from .schedule import gen_ready_order, micro_batches
 
 
 def run_batch(model, prompts, indices, params: GenerationParams, times: StepTimes, schedule: ScheduleParams,
-              link) -> list | None:
+              link, prompt_logits: dict | None = None) -> list | None:
     arch, stage = model.arch, model.stage
     seqs = [Sequence(i, list(p), min(len(p) + params.max_new_tokens, arch.max_positions),
                      sequence_rng(params.seed, i)) for i, p in zip(indices, prompts)]
@@ -32,7 +32,7 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
     cache = KVCache(model.ops, model.num_local_layers, len(seqs), model.kv_heads_local,
                     max(s.capacity for s in seqs), arch.head_dim, schedule.kv_offload, stage.first_layer,
                     max(len(g) for g in prompt_groups + gen_groups))
-    runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups)
+    runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits)
     start = time.perf_counter()
     if stage.is_first:
         runner.drive()
@@ -53,8 +53,9 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
 
 
 class _StageRunner:
-    def __init__(self, model, link, cache, seqs, params, times, prompt_groups, gen_groups):
+    def __init__(self, model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits=None):
         self.model, self.link, self.cache, self.seqs = model, link, cache, seqs
+        self.prompt_logits = prompt_logits                  # optional {prompt index: logits [V]} (last stage)
         self.params, self.times = params, times
         self.prompt_groups, self.gen_groups = prompt_groups, gen_groups
         self.stage = model.stage
@@ -155,6 +156,8 @@ class _StageRunner:
     def _finish(self, header: dict, logits: np.ndarray) -> None:
         """Sample one token per sequence (the same on every tp rank), record it, and return tokens to stage 0."""
         ids = header["seqs"]
+        if header["phase"] == "prompt" and self.prompt_logits is not None:
+            self.prompt_logits.update({self.seqs[i].index: row.copy() for i, row in zip(ids, logits)})
         chosen = sample(logits, self.params.sampling, [self.seqs[i].rng for i in ids])          # [S]
         chosen = broadcast_from_tp_root(chosen, self.model.tp)
         for i, token in zip(ids, chosen.tolist()):
