@@ -51,7 +51,7 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
         MeshShape.for_world(world_size, par.tp, par.pp).check_nodes(ranks_per_node)
         tokenizer = TextTokenizer.from_checkpoint(ckpt)
         prompts = load_prompts(config.generate.prompts, ckpt.arch, tokenizer)
-        _check_kv_offload(config, ckpt.arch, stages, prompts)
+        _check_kv_offload(config, ckpt.arch, stages, prompts, world_size, ranks_per_node)
         if rank == 0:
             _check_writable(config.generate.output, "[generate] output")
             if config.generate.metrics:
@@ -72,21 +72,24 @@ def _batches(n_prompts: int, batch_size: int) -> list[range]:
     return [range(a, min(a + batch_size, n_prompts)) for a in range(0, n_prompts, batch_size)]
 
 
-def _check_kv_offload(config, arch, stages, prompts) -> None:
-    """The KV offload threshold must hold one micro-batch on every stage, for every batch and rank parity."""
+def _check_kv_offload(config, arch, stages, prompts, world_size: int, ranks_per_node: int) -> None:
+    """The KV offload threshold must hold one micro-batch on every rank: its stage, with the layer parity it
+    offloads (node-local rank % 2), for every batch."""
     schedule = schedule_params(config)
     if schedule.kv_offload is None:
         return
-    g = config.generate
+    g, par = config.generate, config.parallel
+    shape = MeshShape.for_world(world_size, par.tp, par.pp)
+    placements = {(shape.coords(r)[0], r % ranks_per_node % 2) for r in range(world_size)}
     for batch in _batches(len(prompts), g.batch_size):
         max_len = max(min(len(prompts[i].tokens) + g.max_new_tokens, arch.max_positions) for i in batch)
         groups = micro_batches(len(batch), schedule.prompt_micro_batches) + \
             micro_batches(len(batch), schedule.gen_micro_batches)
-        for stage in stages:
-            for parity in (0, 1):
-                plan_offload(len(stage.layers), stage.first_layer, len(batch),
-                             arch.num_kv_heads // config.parallel.tp, max_len, arch.head_dim,
-                             KVOffload(schedule.kv_offload.threshold_bytes, parity), max(len(x) for x in groups))
+        for stage_index, parity in sorted(placements):
+            stage = stages[stage_index]
+            plan_offload(len(stage.layers), stage.first_layer, len(batch), arch.num_kv_heads // par.tp, max_len,
+                         arch.head_dim, KVOffload(schedule.kv_offload.threshold_bytes, parity),
+                         max(len(x) for x in groups))
 
 
 def _check_writable(path: str, key: str) -> None:

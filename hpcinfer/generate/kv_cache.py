@@ -38,6 +38,11 @@ def plan_offload(num_layers: int, first_layer: int, n_seqs: int, kv_heads: int, 
     pooled = {i for i in range(num_layers) if (first_layer + i) % 2 == offload.parity}
     resident_bytes = n_seqs * (num_layers - len(pooled)) * per_seq_layer
     capacity = (offload.threshold_bytes - resident_bytes) // (len(pooled) * per_seq_layer) if pooled else 0
+    if not pooled:
+        raise ConfigError(
+            f"[schedule] kv_offload_threshold = {offload.threshold_bytes} bytes is below the {resident_bytes} bytes "
+            f"of KV cache that a rank holding layers {first_layer}..{first_layer + num_layers - 1} keeps on the "
+            f"device (it offloads only the layers of its parity, {'odd' if offload.parity else 'even'}); raise it")
     if capacity < largest_micro_batch:
         raise ConfigError(
             f"[schedule] kv_offload_threshold = {offload.threshold_bytes} bytes cannot hold the KV cache of a "
