@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import erf
 
+from . import moe_ops
 from .ops import StepLayout
 
 F32 = np.float32
@@ -105,6 +106,8 @@ class NumpyOps:
 
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] -> out [T, H*hd].
         """
+        if step.num_tokens == 0:                             # a replica with no tokens in a lockstep step
+            return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
         self._append_kv(k, v, cache_k, cache_v, step)
         if step.is_decode:
             return self._decode_attention(q, cache_k, cache_v, step, scale)
@@ -159,6 +162,26 @@ class NumpyOps:
             scores += np.where(np.arange(L)[None, :] < lengths[:, None], F32(0), F32(-np.inf))[:, None, None, :]
         out = _softmax(scores) @ values                                            # [S, Hkv, g, hd]
         return out.reshape(S, heads * hd)
+
+    # ---- mixture of experts (the gating and dispatch reference: backend/moe_ops.py) -----------------------
+    def softmax(self, x):
+        return _softmax(np.array(x, dtype=F32))
+
+    def top_k_gating(self, logits, k: int, normalize: str):
+        return moe_ops.top_k_gating(logits, k, normalize)
+
+    def route(self, experts, weights, num_experts: int, capacity):
+        return moe_ops.route(experts, weights, num_experts, capacity)
+
+    def permute(self, x, routing):
+        return moe_ops.permute(x, routing)
+
+    def unpermute(self, rows, routing, tokens: int):
+        return moe_ops.unpermute(rows, routing, tokens)
+
+    def scatter_add_rows(self, out, index, rows) -> None:
+        """out[index[i]] += rows[i] (repeated indices add up)."""
+        np.add.at(out, index, rows)
 
     # ---- sampling helpers ----------------------------------------------------------------------------------
     def argmax(self, logits):

@@ -58,6 +58,11 @@ class Checkpoint:
         data = ds[()] if rows is None else ds[rows]
         return from_storage(np.asarray(data), self.dtype)
 
+    def read_slab(self, name: str, index: tuple) -> np.ndarray:
+        """A hyperslab: one slice per leading dimension, e.g. (experts, rows) of an [E, F, D] expert stack."""
+        key = tuple(slice(s.start, s.stop) for s in index)
+        return from_storage(np.asarray(self.file[name][key]), self.dtype)
+
     def tokenizer_json(self) -> str | None:
         group = self.file.get("tokenizer")
         if group is None or "json" not in group:

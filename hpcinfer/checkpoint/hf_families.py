@@ -208,7 +208,7 @@ def _llama_arch(c: Config, bos: int, eos: tuple) -> ModelArch:
                      bos_token_id=bos, eos_token_ids=eos)
 
 
-def _llama_tensors(arch: ModelArch, c: Config, src: WeightSource):
+def _llama_tensors(arch: ModelArch, c: Config, src: WeightSource, dense_mlp: bool = True):
     get = src.getter(("model.", ""))
     yield "embed.tokens", get("embed_tokens.weight")
     for i in range(arch.num_layers):
@@ -218,12 +218,38 @@ def _llama_tensors(arch: ModelArch, c: Config, src: WeightSource):
             yield from _linear(p + f"attn.{proj}", get, h + f"self_attn.{proj}_proj", arch.qkv_bias)
         yield from _linear(p + "attn.o", get, h + "self_attn.o_proj", arch.out_bias, transpose=True)
         yield p + "mlp_norm.weight", get(h + "post_attention_layernorm.weight")
+        if not dense_mlp:
+            continue
         yield from _linear(p + "mlp.gate", get, h + "mlp.gate_proj", arch.mlp_bias)
         yield from _linear(p + "mlp.up", get, h + "mlp.up_proj", arch.mlp_bias)
         yield from _linear(p + "mlp.down", get, h + "mlp.down_proj", arch.mlp_bias, transpose=True)
     yield "final_norm.weight", get("norm.weight")
     if not arch.tied_embeddings:
         yield "lm_head.weight", src.get(("lm_head.weight",))
+
+
+def _mixtral_arch(c: Config, bos: int, eos: tuple) -> ModelArch:
+    """Llama attention, and in every layer a top-k softmax-renormalized MoE of SiLU-gated experts."""
+    import dataclasses
+
+    E = c.need("num_local_experts")
+    return dataclasses.replace(_llama_arch(c, bos, eos), family="mixtral",
+                               moe_experts=(E,) * c.need("num_hidden_layers"),
+                               moe_top_k=c.get("num_experts_per_tok", 2), moe_normalize="topk", mlp_bias=False)
+
+
+def _mixtral_tensors(arch: ModelArch, c: Config, src: WeightSource):
+    """As Llama's, with block_sparse_moe (router `gate`; experts w1 = gate, w3 = up, w2 = down) instead of mlp.
+    Each expert stack [E, F, D] is assembled from its E source tensors, one layer at a time."""
+    get = src.getter(("model.", ""))
+    yield from _llama_tensors(arch, c, src, dense_mlp=False)
+    for i in range(arch.num_layers):
+        h, p = f"layers.{i}.block_sparse_moe.", f"layers.{i}.moe."
+        yield p + "router.weight", get(h + "gate.weight")
+        experts = range(arch.experts_in(i))
+        yield p + "experts.gate.weight", np.stack([get(h + f"experts.{e}.w1.weight") for e in experts])
+        yield p + "experts.up.weight", np.stack([get(h + f"experts.{e}.w3.weight") for e in experts])
+        yield p + "experts.down.weight", np.stack([get(h + f"experts.{e}.w2.weight").T for e in experts])
 
 
 def _norm(canonical: str, get, hf: str):
@@ -250,4 +276,5 @@ FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "opt": (_opt_arch, _opt_tensors),
     "gpt_neox": (_gpt_neox_arch, _gpt_neox_tensors),
     "llama": (_llama_arch, _llama_tensors),
+    "mixtral": (_mixtral_arch, _mixtral_tensors),
 }

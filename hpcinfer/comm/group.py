@@ -46,6 +46,16 @@ class MPIGroup:
         self.comm.Bcast(x, root=root)
         return x
 
+    def all_gather_v(self, x: np.ndarray) -> np.ndarray:
+        """x [n_r, ...] (n_r may differ by rank) -> every rank's rows concatenated in rank order."""
+        x = np.ascontiguousarray(x)
+        counts = np.array(self.comm.allgather(x.shape[0]), dtype=np.int64)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        out = np.empty((int(counts.sum()), *x.shape[1:]), dtype=x.dtype)
+        self.comm.Allgatherv(x, [out, counts * row, np.concatenate([[0], np.cumsum(counts * row)[:-1]]),
+                                 _mpi_type(x.dtype)])
+        return out
+
     def barrier(self) -> None:
         self.comm.Barrier()
 
@@ -68,6 +78,12 @@ class MPIGroup:
         return f"MPIGroup({self.name}, rank {self.rank} of {self.size})"
 
 
+def _mpi_type(dtype):
+    from mpi4py import MPI
+
+    return MPI._typedict[np.dtype(dtype).char]
+
+
 class SoloGroup:
     """A group of one rank: every collective is the identity. Lets single-process code (tests, converters,
     the Python API) run the model without MPI."""
@@ -83,13 +99,35 @@ class SoloGroup:
     def broadcast(self, x, root: int = 0):
         return x
 
+    def all_gather_v(self, x):
+        return x
+
     def barrier(self) -> None:
         pass
 
 
 class Groups:
-    """The groups a model and its schedule need, passed in by the runtime (never found): tp and pp now; ep later."""
+    """The groups a model and its schedule need, passed in by the runtime (never found).
 
-    def __init__(self, tp=None, pp=None):
+    tp: tensor parallelism of the dense part; pp: the pipeline; stage: every rank of this pipeline stage (the
+    expert-parallel world, ep * expert_tp = dp * tp ranks); dp: the ranks of this stage with the same tp rank
+    (the parallelism-coordinated all-to-all runs among them). `moe` says how experts are laid out.
+    """
+
+    def __init__(self, tp=None, pp=None, stage=None, dp=None, moe=None):
         self.tp = tp if tp is not None else SoloGroup()
         self.pp = pp if pp is not None else SoloGroup()
+        self.stage = stage if stage is not None else SoloGroup()
+        self.dp = dp if dp is not None else SoloGroup()
+        self.moe = moe if moe is not None else MoELayout()
+
+
+class MoELayout:
+    """Expert placement over the stage's ranks: stage rank q holds expert-parallel index q // expert_tp and
+    expert slice q % expert_tp. all_to_all: flat | hierarchical | pcc | pcc+hierarchical."""
+
+    def __init__(self, ep: int = 1, expert_tp: int = 1, all_to_all: str = "flat", stage_ranks_per_node: int = 1,
+                 dp_ranks_per_node: int = 1):
+        self.ep, self.expert_tp, self.all_to_all = ep, expert_tp, all_to_all
+        self.stage_ranks_per_node = stage_ranks_per_node      # node size in stage-group ranks (hierarchical)
+        self.dp_ranks_per_node = dp_ranks_per_node            # node size in dp-group ranks (pcc+hierarchical)

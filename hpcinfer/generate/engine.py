@@ -58,12 +58,12 @@ class StepTimes:
 
 
 def generate_batch(model, prompts: list, indices: list, params: GenerationParams, times: StepTimes,
-                   schedule: ScheduleParams = ScheduleParams(), link=None, prompt_logits: dict | None = None
-                   ) -> list | None:
+                   schedule: ScheduleParams = ScheduleParams(), link=None, prompt_logits: dict | None = None,
+                   lockstep=None, batch_size: int | None = None) -> list | None:
     """Run prompts (lists of token ids) to completion. Returns [(generated ids, finish_reason)] in prompt order on
     the last pipeline stage, None on the others. `link` (comm.pipeline.StageLink) is needed when pp > 1. If
     `prompt_logits` is a dict, the last stage also stores there each prompt's last-position logits [V], by index
-    (for checking layouts against each other)."""
+    (for checking layouts against each other). `lockstep` and `batch_size`: see pipeline.run_batch."""
     from .pipeline import run_batch
 
-    return run_batch(model, prompts, indices, params, times, schedule, link, prompt_logits)
+    return run_batch(model, prompts, indices, params, times, schedule, link, prompt_logits, lockstep, batch_size)

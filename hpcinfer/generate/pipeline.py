@@ -23,16 +23,23 @@ from .schedule import gen_ready_order, micro_batches
 
 
 def run_batch(model, prompts, indices, params: GenerationParams, times: StepTimes, schedule: ScheduleParams,
-              link, prompt_logits: dict | None = None) -> list | None:
+              link, prompt_logits: dict | None = None, lockstep=None,
+              batch_size: int | None = None) -> list | None:
+    """`lockstep`: the dp group, when data-parallel replicas must step together because their MoE layers
+    exchange tokens; each then holds its slice of one batch of `batch_size` sequences (possibly none), and every
+    replica runs the same micro-batch steps, with no tokens where its slice has none."""
     arch, stage = model.arch, model.stage
     seqs = [Sequence(i, list(p), min(len(p) + params.max_new_tokens, arch.max_positions),
                      sequence_rng(params.seed, i)) for i, p in zip(indices, prompts)]
-    prompt_groups = micro_batches(len(seqs), schedule.prompt_micro_batches)
-    gen_groups = micro_batches(len(seqs), schedule.gen_micro_batches)
+    exact = lockstep is not None
+    cap = batch_size or len(seqs)
+    prompt_groups = micro_batches(len(seqs), min(schedule.prompt_micro_batches, cap), exact)
+    gen_groups = micro_batches(len(seqs), min(schedule.gen_micro_batches, cap), exact)
     cache = KVCache(model.ops, model.num_local_layers, len(seqs), model.kv_heads_local,
-                    max(s.capacity for s in seqs), arch.head_dim, schedule.kv_offload, stage.first_layer,
-                    max(len(g) for g in prompt_groups + gen_groups))
-    runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits)
+                    max((s.capacity for s in seqs), default=1), arch.head_dim, schedule.kv_offload,
+                    stage.first_layer, max(max(len(g) for g in prompt_groups + gen_groups), 1))
+    runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits,
+                          lockstep)
     start = time.perf_counter()
     if stage.is_first:
         runner.drive()
@@ -53,7 +60,8 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
 
 
 class _StageRunner:
-    def __init__(self, model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits=None):
+    def __init__(self, model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits=None,
+                 lockstep=None):
         self.model, self.link, self.cache, self.seqs = model, link, cache, seqs
         self.prompt_logits = prompt_logits                  # optional {prompt index: logits [V]} (last stage)
         self.params, self.times = params, times
@@ -63,15 +71,18 @@ class _StageRunner:
         self.start = time.perf_counter()
         self.prompt_phase_s = 0.0
         self.returned: deque = deque()                    # one stage: the return path is local
-        self.gen_released = [False] * len(gen_groups)
-        self.release_after = gen_ready_order(prompt_groups, gen_groups)
+        self.lockstep = lockstep                            # the dp group when replicas step together
+        # A gen micro-batch starts once its sequences' first tokens exist; replicas in lockstep all start them
+        # after the last prompt micro-batch, so that they answer in the same order.
+        self.release_after = (gen_ready_order(prompt_groups, gen_groups) if lockstep is None else
+                              [(len(prompt_groups) - 1, g) for g in range(len(gen_groups))])
 
     # ---- stage 0 --------------------------------------------------------------------------------------------
     def drive(self) -> None:
         """Feed the prompt micro-batches, then the generation micro-batches from the FIFO until all have stopped."""
         for p, group in enumerate(self.prompt_groups):
             ids = list(group)
-            tokens = np.concatenate([self.seqs[i].prompt for i in ids])
+            tokens = np.array([t for i in ids for t in self.seqs[i].prompt], dtype=np.int64)
             self._submit({"phase": "prompt", "mb": p, "seqs": ids, "starts": [0] * len(ids),
                           "counts": [len(self.seqs[i].prompt) for i in ids]}, tokens)
         if self.stage.is_last:
@@ -85,9 +96,9 @@ class _StageRunner:
             if not reply["prompt"]:
                 self.times.decode_s.append(time.perf_counter() - sent_at[g])
             self._apply_tokens(reply)
-            running = [i for i in self.gen_groups[g] if self.seqs[i].finish_reason is None]
-            if not running:
+            if reply["alive"] == 0:                             # every sequence of g (on every replica) stopped
                 continue
+            running = [i for i in self.gen_groups[g] if self.seqs[i].finish_reason is None]
             sent_at[g] = time.perf_counter()
             self._submit({"phase": "gen", "mb": g, "seqs": running,
                           "starts": [self.seqs[i].length - 1 for i in running], "counts": [1] * len(running)},
@@ -179,8 +190,11 @@ class _StageRunner:
             seq.finish_reason = "length"
 
     def _return_tokens(self, g: int, ids: list, prompt: bool) -> None:
+        alive = sum(1 for i in self.gen_groups[g] if self.seqs[i].finish_reason is None)
+        if self.lockstep is not None:                       # the micro-batch goes on while any replica needs it
+            alive = int(self.lockstep.all_reduce(np.array([alive], dtype=np.int64))[0])
         reply = {"mb": g, "prompt": prompt, "seqs": ids, "tokens": [self.seqs[i].generated[-1] for i in ids],
-                 "finish": [self.seqs[i].finish_reason for i in ids]}
+                 "finish": [self.seqs[i].finish_reason for i in ids], "alive": alive}
         if self.stage.is_first:
             self.returned.append(reply)
         else:

@@ -16,9 +16,10 @@ from collections import deque
 from dataclasses import dataclass
 
 
-def micro_batches(n_seqs: int, count: int) -> list[range]:
-    """Split sequences 0..n-1 into min(count, n) contiguous groups whose sizes differ by at most one."""
-    count = max(1, min(count, n_seqs))
+def micro_batches(n_seqs: int, count: int, exact: bool = False) -> list[range]:
+    """Split sequences 0..n-1 into min(count, n) contiguous groups whose sizes differ by at most one (exactly
+    `count` groups, some possibly empty, when `exact`: replicas stepping together need the same groups)."""
+    count = max(1, count if exact else min(count, n_seqs))
     base, extra = divmod(n_seqs, count)
     groups, start = [], 0
     for g in range(count):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+GATE_NORMALIZE = ("topk", "none")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,14 @@ class ModelArch:
     tied_embeddings: bool = False  # LM head reuses the token embedding
     bos_token_id: int = -1       # -1: none
     eos_token_ids: tuple = field(default=())
+    # Mixture of experts: moe_experts[i] experts in layer i (0: a dense layer); empty: a dense model.
+    moe_experts: tuple = field(default=())
+    moe_top_k: int = 1
+    moe_normalize: str = "topk"  # topk: softmax, top-k, renormalize (Mixtral) | none: raw gate probabilities
+    moe_capacity_factor: float = 0.0   # > 0: per-expert capacity ceil(T / E * factor), extra tokens dropped
+    moe_min_capacity: int = 4
+    moe_intermediate_size: int = 0     # expert FFN width; 0: intermediate_size
+    moe_residual: bool = False   # PR-MoE: a dense MLP beside the experts, mixed by a learned 2-way coefficient
 
     def __post_init__(self):
         problems = []
@@ -56,8 +65,34 @@ class ModelArch:
             problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.position == "rotary" and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             problems.append(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+        problems += self._moe_problems()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _moe_problems(self) -> list:
+        if not self.moe_experts:
+            return []
+        problems = []
+        if len(self.moe_experts) != self.num_layers:
+            problems.append(f"moe_experts has {len(self.moe_experts)} entries for {self.num_layers} layers")
+        if any(e < 0 for e in self.moe_experts) or not any(self.moe_experts):
+            problems.append(f"moe_experts must be >= 0 with at least one MoE layer, got {list(self.moe_experts)}")
+        smallest = min((e for e in self.moe_experts if e), default=0)
+        if not 1 <= self.moe_top_k <= max(smallest, 1):
+            problems.append(f"moe_top_k = {self.moe_top_k} must be in [1, {smallest}] (the fewest experts in a layer)")
+        if self.moe_normalize not in GATE_NORMALIZE:
+            problems.append(f"moe_normalize must be one of {GATE_NORMALIZE}, got {self.moe_normalize!r}")
+        if self.moe_capacity_factor < 0:
+            problems.append(f"moe_capacity_factor must be >= 0, got {self.moe_capacity_factor}")
+        return problems
+
+    def experts_in(self, layer: int) -> int:
+        """Experts of layer `layer` (0: a dense MLP layer)."""
+        return self.moe_experts[layer] if self.moe_experts else 0
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def q_size(self) -> int:
@@ -73,7 +108,8 @@ class ModelArch:
 
     def to_attrs(self) -> dict:
         attrs = dataclasses.asdict(self)
-        attrs["eos_token_ids"] = list(self.eos_token_ids)
+        for name in ("eos_token_ids", "moe_experts"):
+            attrs[name] = list(getattr(self, name))
         return attrs
 
     @classmethod
@@ -84,7 +120,7 @@ class ModelArch:
             if f.name not in attrs:
                 continue
             value = attrs[f.name]
-            if f.name == "eos_token_ids":
+            if f.type == "tuple":
                 kwargs[f.name] = tuple(int(v) for v in list(value))
             elif f.type == "int":
                 kwargs[f.name] = int(value)
@@ -128,17 +164,33 @@ def tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         shapes[p + "attn.o.weight"] = (arch.q_size, D)
         if arch.out_bias:
             shapes[p + "attn.o.bias"] = (D,)
-        ups = ("gate", "up") if arch.gated_mlp else ("up",)
-        for proj in ups:
-            shapes[p + f"mlp.{proj}.weight"] = (F, D)
-            if arch.mlp_bias:
-                shapes[p + f"mlp.{proj}.bias"] = (F,)
-        shapes[p + "mlp.down.weight"] = (F, D)
-        if arch.mlp_bias:
-            shapes[p + "mlp.down.bias"] = (D,)
+        experts = arch.experts_in(i)
+        if not experts or arch.moe_residual:
+            shapes.update(_mlp_shapes(arch, p + "mlp.", (), F))
+        if experts:
+            shapes[p + "moe.router.weight"] = (experts, D)
+            shapes.update(_mlp_shapes(arch, p + "moe.experts.", (experts,), arch.expert_size))
+            if arch.moe_residual:
+                shapes[p + "moe.coef.weight"] = (2, D)
+                shapes[p + "moe.coef.bias"] = (2,)
     shapes["final_norm.weight"] = (D,)
     if arch.has_norm_bias:
         shapes["final_norm.bias"] = (D,)
     if not arch.tied_embeddings:
         shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
+def _mlp_shapes(arch: ModelArch, prefix: str, lead: tuple, F: int) -> dict:
+    """An MLP's tensors (`lead` = (E,) for a stack of experts): up (and gate) [F, D] = [out, in] column-parallel,
+    down [F, D] = [in, out] row-parallel."""
+    D = arch.hidden_size
+    shapes = {}
+    for proj in ("gate", "up") if arch.gated_mlp else ("up",):
+        shapes[prefix + f"{proj}.weight"] = (*lead, F, D)
+        if arch.mlp_bias:
+            shapes[prefix + f"{proj}.bias"] = (*lead, F)
+    shapes[prefix + "down.weight"] = (*lead, F, D)
+    if arch.mlp_bias:
+        shapes[prefix + "down.bias"] = (*lead, D)
     return shapes

@@ -11,18 +11,20 @@ from ..parallel.layers import Replicated, VocabParallelEmbedding
 from ..parallel.stages import StageSpec
 from .attention import Attention
 from .mlp import MLP
+from .moe import MoE
 from .norm import Norm
 from .rotary import RotaryTable
 
 
 class Block:
-    def __init__(self, ops, tp, arch, index: int, dtype: str):
+    def __init__(self, ops, groups, arch, index: int, dtype: str, capacity_factor: float | None = None):
         prefix = f"layers.{index}"
         self.parallel_residual = arch.parallel_residual
         self.attn_norm = Norm(ops, arch, f"{prefix}.attn_norm")
-        self.attn = Attention(ops, tp, arch, f"{prefix}.attn", dtype)
+        self.attn = Attention(ops, groups.tp, arch, f"{prefix}.attn", dtype)
         self.mlp_norm = Norm(ops, arch, f"{prefix}.mlp_norm")
-        self.mlp = MLP(ops, tp, arch, f"{prefix}.mlp", dtype)
+        self.mlp = (MoE(ops, groups, arch, index, dtype, capacity_factor) if arch.experts_in(index) else
+                    MLP(ops, groups.tp, arch, f"{prefix}.mlp", dtype))
 
     def load(self, ckpt):
         for part in (self.attn_norm, self.attn, self.mlp_norm, self.mlp):
@@ -39,7 +41,8 @@ class Decoder:
     """Embeddings, blocks, final norm and LM head -- or, on a pipeline stage, the part of them that stage holds.
     `embed_tokens`, `run_layers` and `logits` are the three pieces a stage may run; `forward` runs all three."""
 
-    def __init__(self, ops, groups, arch, dtype: str = "float32", stage: StageSpec | None = None):
+    def __init__(self, ops, groups, arch, dtype: str = "float32", stage: StageSpec | None = None,
+                 capacity_factor: float | None = None):
         self.ops, self.tp, self.arch, self.dtype = ops, groups.tp, arch, dtype
         self.stage = stage or StageSpec(0, 1, 0, arch.num_layers)
         first, last = self.stage.is_first, self.stage.is_last
@@ -47,7 +50,7 @@ class Decoder:
         self.positions = Replicated(ops, "embed.positions") if first and arch.position == "learned" else None
         self.rope = (RotaryTable(ops, arch.rotary_dim, arch.rope_theta, arch.max_positions)
                      if arch.position == "rotary" else None)
-        self.blocks = [Block(ops, self.tp, arch, i, dtype) for i in self.stage.layers]
+        self.blocks = [Block(ops, groups, arch, i, dtype, capacity_factor) for i in self.stage.layers]
         self.final_norm = Norm(ops, arch, "final_norm") if last else None
         self.lm_head = None
         if last:                                      # tied: the first stage's table, or the last stage's own copy

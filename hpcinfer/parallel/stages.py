@@ -31,11 +31,15 @@ class StageSpec:
         return range(self.first_layer, self.last_layer)
 
 
-def layer_params(arch) -> int:
-    D, F = arch.hidden_size, arch.intermediate_size
+def layer_params(arch, layer: int = 0) -> int:
+    """Parameters of one decoder layer's matrices (attention, and the MLP and/or the experts of an MoE layer)."""
+    D = arch.hidden_size
     attn = D * (arch.q_size + 2 * arch.kv_size) + arch.q_size * D
-    mlp = D * F * (3 if arch.gated_mlp else 2)
-    return attn + mlp
+    mats = 3 if arch.gated_mlp else 2
+    experts = arch.experts_in(layer)
+    mlp = D * arch.intermediate_size * mats if not experts or arch.moe_residual else 0
+    moe = experts * (D * arch.expert_size * mats + D) if experts else 0
+    return attn + mlp + moe
 
 
 def stage_params(arch) -> tuple[int, int]:
@@ -51,10 +55,12 @@ def partition_layers(arch, pp: int, config_path: str = "config") -> list[StageSp
     if pp > L:
         raise ConfigError(f"{config_path}: [parallel] pp = {pp} is larger than the model's {L} layers")
     first_extra, last_extra = stage_params(arch)
-    per_layer = layer_params(arch)
+    prefix = [0]
+    for i in range(L):
+        prefix.append(prefix[-1] + layer_params(arch, i))
 
     def cost(stage: int, a: int, b: int) -> int:
-        return (b - a) * per_layer + (first_extra if stage == 0 else 0) + (last_extra if stage == pp - 1 else 0)
+        return prefix[b] - prefix[a] + (first_extra if stage == 0 else 0) + (last_extra if stage == pp - 1 else 0)
 
     # best[s][b]: smallest max-cost of placing layers [0, b) on stages 0..s; cut[s][b]: where stage s starts
     INF = float("inf")

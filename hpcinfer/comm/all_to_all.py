@@ -1,0 +1,208 @@
+"""All-to-all(v) of variable row counts among the ranks of a CommGroup: the comm steps of the MoE dispatcher.
+
+Interchangeable implementations, identical results (same rows, same order, same dtypes):
+- `FlatAllToAll`: one Alltoallv per array over the whole group, P - 1 messages a rank.
+- `HierarchicalAllToAll` (DeepSpeed-MoE 5.3, Fig. 8): intra-node, then inter-node, (G - 1) + (M - 1) messages.
+Parallelism-coordinated communication (PCC, DeepSpeed Inference V-B) runs one of these over the ranks that share a
+tp rank, then all-gathers inside the tp group; the dispatcher composes it, `message_stats` accounts for it.
+
+P=group size  G=ranks per node  M=nodes (P / G)  N=rows sent  R=rows received  *s=trailing shape of a row
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+KINDS = ("flat", "hierarchical")
+
+
+class AllToAll(Protocol):
+    def exchange(self, arrays: list[np.ndarray], send_counts: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """arrays: each [N, *s] with the same N, rows ordered by destination group rank (send_counts int64 [P],
+        sum N). Returns the received arrays [R, *s], rows in source rank order (within a source, in its send
+        order), and recv_counts int64 [P]. Every rank must pass the same number of arrays, each with the same
+        trailing shape and dtype as on the other ranks."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def make_all_to_all(kind: str, group, ranks_per_node: int) -> AllToAll:
+    """The all-to-all of `kind` over `group`; ranks_per_node counts the group's ranks on one node."""
+    if kind not in KINDS:
+        raise ValueError(f"all-to-all kind {kind!r} is not one of {KINDS} (PCC is composed by the dispatcher)")
+    if group.size == 1 or kind == "flat":
+        return FlatAllToAll(group)
+    return HierarchicalAllToAll(group, ranks_per_node)
+
+
+class FlatAllToAll:
+    """Every rank sends straight to every other: counts by Alltoall, then one Alltoallv per array
+    (P - 1 messages a rank per array). On a group of one it copies."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def exchange(self, arrays, send_counts):
+        counts = _check(arrays, send_counts, self.group.size)                 # [P]
+        if self.group.size == 1:
+            return [np.array(a, copy=True) for a in arrays], counts.copy()
+        recv = _alltoall_counts(self.group.comm, counts[:, None])[:, 0]       # [P]
+        return [_alltoallv(self.group.comm, a, counts, recv) for a in arrays], recv
+
+    def close(self) -> None:
+        pass
+
+
+class HierarchicalAllToAll:
+    """Two hops: intra-node among the G ranks of a node, then inter-node among the M ranks with the same local
+    index (DeepSpeed-MoE 5.3): (G - 1) + (M - 1) messages a rank instead of P - 1, each row moving at most twice.
+
+    Group rank r = node * G + local. Rank (n, l) first sends to local peer (n, l') every row bound for local
+    index l' on any node, blocks ordered by destination node; (n, l') then sends to (n', l') the blocks bound for
+    it, ordered by source local index. Per-block counts matrices travel with each hop (Alltoall on the same
+    sub-communicator), so every rank knows its block layout. Because the second hop orders its blocks by
+    (source node, source local) = source rank, and every reordering is stable, rows arrive in the flat order:
+    the final layout transform is the identity. Sub-communicators come from `group.comm.Split` once; `close()`
+    frees them.
+    """
+
+    def __init__(self, group, ranks_per_node: int):
+        size, g = group.size, int(ranks_per_node)
+        if g < 1 or size % g:
+            raise ValueError(f"hierarchical all-to-all: ranks_per_node = {ranks_per_node} must divide the "
+                             f"group size {size}")
+        self.group, self.G, self.M = group, g, size // g
+        node, local = divmod(group.rank, g)
+        self.intra = group.comm.Split(color=node, key=local)    # the G ranks of this node; rank = local
+        self.inter = group.comm.Split(color=local, key=node)    # the M ranks with this local index; rank = node
+
+    def exchange(self, arrays, send_counts):
+        counts = _check(arrays, send_counts, self.group.size).reshape(self.M, self.G)  # [M dest node, G dest local]
+        # step 1 (intra-node): local transform to (dest local, dest node), send the dest-local block to that peer
+        arrays = _transpose_blocks(arrays, counts)
+        by_local = np.ascontiguousarray(counts.T)                                # [G dest local, M dest node]
+        got1 = _alltoall_counts(self.intra, by_local)                            # [G src local, M dest node]
+        arrays = [_alltoallv(self.intra, a, by_local.sum(1), got1.sum(1)) for a in arrays]
+        # step 2 (inter-node): local transform to (dest node, src local), send the dest-node block to that node
+        arrays = _transpose_blocks(arrays, got1)
+        by_node = np.ascontiguousarray(got1.T)                                   # [M dest node, G src local]
+        got2 = _alltoall_counts(self.inter, by_node)                             # [M src node, G src local]
+        arrays = [_alltoallv(self.inter, a, by_node.sum(1), got2.sum(1)) for a in arrays]
+        return arrays, got2.reshape(-1)                                          # rows in source rank order
+
+    def close(self) -> None:
+        for comm in (self.intra, self.inter):
+            if comm is not None:
+                comm.Free()
+        self.intra = self.inter = None
+
+
+# ------------------------------------------------------------------------------------------------ local helpers
+
+def _check(arrays, send_counts, size: int) -> np.ndarray:
+    """send_counts as int64 [P]; every array has sum(send_counts) rows."""
+    counts = np.asarray(send_counts, dtype=np.int64).reshape(-1)
+    if counts.shape != (size,) or (counts < 0).any():
+        raise ValueError(f"send_counts must be {size} non-negative counts (one per group rank), got {send_counts}")
+    n = int(counts.sum())
+    for a in arrays:
+        if a.ndim == 0 or a.shape[0] != n:
+            raise ValueError(f"every array needs sum(send_counts) = {n} rows, got shape {a.shape}")
+    return counts
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Offsets of consecutive blocks of these lengths (exclusive cumsum)."""
+    return np.cumsum(counts) - counts
+
+
+def _transpose_blocks(arrays, counts: np.ndarray):
+    """Rows laid out as blocks [A, B] (lengths counts [A, B], row-major) -> blocks [B, A], stable inside each."""
+    if 1 in counts.shape:
+        return arrays                                                            # already in [B, A] order
+    old = _starts(counts.reshape(-1)).reshape(counts.shape).T.reshape(-1)       # [B*A] block starts, new order
+    lens = counts.T.reshape(-1)                                                  # [B*A]
+    index = np.repeat(old - _starts(lens), lens) + np.arange(lens.sum())         # [N]
+    return [a[index] for a in arrays]
+
+
+def _alltoall_counts(comm, counts: np.ndarray) -> np.ndarray:
+    """counts int64 [P, K]: row p goes to rank p; returns [P, K], row p from rank p."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    out = np.empty_like(counts)
+    comm.Alltoall(counts, out)
+    return out
+
+
+def _alltoallv(comm, a: np.ndarray, send_counts, recv_counts) -> np.ndarray:
+    """Rows of a [N, *s] -> [R, *s] by one Alltoallv; counts [P] in rows, passed to MPI in elements of a.dtype."""
+    a = np.ascontiguousarray(a)
+    out = np.empty((int(recv_counts.sum()), *a.shape[1:]), dtype=a.dtype)
+    width = int(np.prod(a.shape[1:], dtype=np.int64))                          # elements per row
+    if width == 0:
+        return out
+    send, recv = np.asarray(send_counts) * width, np.asarray(recv_counts) * width
+    comm.Alltoallv([a.reshape(-1), (send.tolist(), _starts(send).tolist())],
+                   [out.reshape(-1), (recv.tolist(), _starts(recv).tolist())])
+    return out
+
+
+# --------------------------------------------------------------------------------- message and byte accounting
+
+def message_stats(kind: str, world: int, ranks_per_node: int, tp: int, rows_per_pair: int, row_bytes: int) -> dict:
+    """Messages and payload bytes one rank sends per exchange under `kind`, from the schedules (no MPI).
+
+    Model: in a flat exchange every rank sends rows_per_pair rows of row_bytes to every other rank. Only payload
+    messages to other ranks are counted, one per non-empty peer (the counts exchanged alongside go to the same
+    peers: 8 bytes a peer in flat, 8 * M or 8 * G in the hierarchical hops). PCC: each of the tp ranks holding
+    the same (replicated) tokens takes 1/tp of them and exchanges among the world / tp ranks sharing its tp rank
+    (rows_per_pair rows a peer again), then all-gathers its share of world / tp * rows_per_pair rows inside the tp
+    group: tp - 1 messages of one share, for a ring and for direct sends alike. pcc+hierarchical does the subset
+    exchange hierarchically with ranks_per_node // tp subset ranks a node. Returns {"kind", "messages", "bytes",
+    "steps": [{"what", "messages", "bytes"}]}.
+    """
+    _check_stats(kind, world, ranks_per_node, tp)
+    rows = rows_per_pair
+    if kind == "flat":
+        steps = _flat_steps(world, rows)
+    elif kind == "hierarchical":
+        steps = _hierarchical_steps(world, ranks_per_node, rows)
+    else:
+        subset = world // tp
+        inner = _flat_steps(subset, rows) if kind == "pcc" else _hierarchical_steps(subset, ranks_per_node // tp,
+                                                                                  rows)
+        steps = inner + [_step(f"all-gather in the tp group of {tp} (ring or direct): {subset * rows} rows a "
+                               f"message", tp - 1, subset * rows)]
+    steps = [{"what": s["what"], "messages": s["messages"], "bytes": s["rows"] * row_bytes} for s in steps]
+    return {"kind": kind, "messages": sum(s["messages"] for s in steps), "bytes": sum(s["bytes"] for s in steps),
+            "steps": steps}
+
+
+def _check_stats(kind: str, world: int, ranks_per_node: int, tp: int) -> None:
+    kinds = ("flat", "hierarchical", "pcc", "pcc+hierarchical")
+    if kind not in kinds:
+        raise ValueError(f"all-to-all kind {kind!r} is not one of {kinds}")
+    if min(world, ranks_per_node, tp) < 1 or world % ranks_per_node or world % tp:
+        raise ValueError(f"ranks_per_node = {ranks_per_node} and tp = {tp} must divide the world size {world}")
+    if kind == "pcc+hierarchical" and ranks_per_node % tp:
+        raise ValueError(f"pcc+hierarchical: tp = {tp} must divide ranks_per_node = {ranks_per_node}")
+
+
+def _step(what: str, peers: int, rows_each: int) -> dict:
+    """One step sending rows_each rows to each of `peers` other ranks (no message when it sends no row)."""
+    return {"what": what, "messages": peers if rows_each > 0 else 0, "rows": peers * rows_each}
+
+
+def _flat_steps(size: int, rows: int) -> list[dict]:
+    return [_step(f"alltoallv among {size} ranks: {rows} rows to each peer", size - 1, rows)]
+
+
+def _hierarchical_steps(size: int, g: int, rows: int) -> list[dict]:
+    m = size // g
+    return [_step(f"intra-node alltoallv among {g} ranks: {m * rows} rows (bound for {m} nodes) to each peer",
+                  g - 1, m * rows),
+            _step(f"inter-node alltoallv among {m} ranks of one local index: {g * rows} rows (from {g} local "
+                  f"sources) to each peer", m - 1, g * rows)]

@@ -1,0 +1,58 @@
+"""The experts of one MoE layer that this rank holds: expert parallelism splits the experts, expert-slicing splits
+each expert's FFN width. Stored layouts (model.arch.tensor_shapes): up/gate [E, F, D] = [expert, out, in], down
+[E, F, D] = [expert, in, out], so this rank's experts and its F slice are one hyperslab of each.
+
+Shape legend: E experts of the layer, El local experts, F expert width, Fs = F / expert_tp, D hidden, M rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layers import even_shard, weight_dtype
+
+
+class ExpertStack:
+    def __init__(self, ops, arch, prefix: str, num_experts: int, layout, stage_rank: int, dtype: str):
+        self.ops, self.arch, self.prefix = ops, arch, prefix
+        self.activation, self.gated, self.dtype = arch.activation, arch.gated_mlp, weight_dtype(dtype)
+        self.ep_index, self.slice_index = divmod(stage_rank, layout.expert_tp)
+        self.experts = even_shard(num_experts, layout.ep, self.ep_index)              # local expert range
+        self.width = even_shard(arch.expert_size, layout.expert_tp, self.slice_index)  # local F slice
+        self.up = self.down = self.up_bias = self.down_bias = None
+
+    @property
+    def first_expert(self) -> int:
+        return self.experts.start
+
+    def load(self, ckpt):
+        e, f = self.experts, self.width
+        parts = ("gate", "up") if self.gated else ("up",)
+        up = np.concatenate([ckpt.read_slab(f"{self.prefix}.{p}.weight", (e, f)) for p in parts], axis=1)
+        self.up = [self.ops.asarray(w.astype(self.dtype)) for w in up]                  # El x [2 Fs | Fs, D]
+        down = ckpt.read_slab(f"{self.prefix}.down.weight", (e, f))                     # [El, Fs, D]
+        self.down = [self.ops.asarray(w.T.astype(self.dtype)) for w in down]            # El x [D, Fs]
+        if self.arch.mlp_bias:
+            bias = np.concatenate([ckpt.read_slab(f"{self.prefix}.{p}.bias", (e, f)) for p in parts], axis=1)
+            self.up_bias = [self.ops.asarray(b.astype(np.float32)) for b in bias]
+            if self.slice_index == 0:                   # the down bias is added once, by the first slice
+                down_bias = ckpt.read_slab(f"{self.prefix}.down.bias", (e,))
+                self.down_bias = [self.ops.asarray(b.astype(np.float32)) for b in down_bias]
+
+    def __call__(self, rows, local_expert: np.ndarray):
+        """rows [M, D] and each row's local expert index [M] -> this rank's output rows [M, D] (a partial sum over
+        F slices when expert_tp > 1)."""
+        out = self.ops.zeros((rows.shape[0], rows.shape[1]), np.float32)
+        order = np.argsort(local_expert, kind="stable")
+        bounds = np.searchsorted(local_expert[order], np.arange(len(self.up) + 1))
+        for e in range(len(self.up)):
+            idx = order[bounds[e]:bounds[e + 1]]
+            if len(idx):
+                out[idx] = self._ffn(e, rows[idx])
+        return out
+
+    def _ffn(self, e: int, x):                          # x [m, D] -> [m, D]
+        bias = self.up_bias[e] if self.up_bias is not None else None
+        h = self.ops.linear(x, self.up[e], bias)                                        # [m, 2Fs | Fs]
+        h = self.ops.gated_activation(h, self.activation) if self.gated else self.ops.activation(h, self.activation)
+        return self.ops.linear(h, self.down[e], self.down_bias[e] if self.down_bias is not None else None)

@@ -1,0 +1,60 @@
+"""The MoE Dispatcher: route -> permute (local) -> all-to-all (comm) -> experts (local) -> all-to-all back (comm)
+-> unpermute and combine (local), over the ranks of a pipeline stage (ep * expert_tp of them).
+
+Expert x of E lives on expert-parallel index x // (E / ep); with expert-slicing each of its expert_tp slices is on
+stage rank owner * expert_tp + slice, and every slice gets a copy of the row (their outputs are partial sums over
+the FFN width, added up on the way back). The exchange is `flat` (every rank with every rank of the stage) or
+`pcc` (parallelism-coordinated, DeepSpeed Inference V-B: the tokens are replicated over the tp group, so a rank
+sends only the rows bound for ranks that share its tp rank, the exchange runs among those dp ranks, and an
+all-gather inside the tp group puts the results together); either can run hierarchically (intra-node, then
+inter-node). All give the same result.
+
+Shape legend: T tokens, D hidden, R routed rows (token, choice), N copies sent, M rows received.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm.all_to_all import make_all_to_all
+
+
+class Dispatcher:
+    def __init__(self, ops, groups, num_experts: int):
+        moe = groups.moe
+        self.ops, self.tp = ops, groups.tp
+        self.local_experts = num_experts // moe.ep
+        self.expert_tp = moe.expert_tp
+        self.pcc = moe.all_to_all.startswith("pcc") and groups.tp.size > 1
+        self.group = groups.dp if self.pcc else groups.stage
+        kind = "hierarchical" if moe.all_to_all.endswith("hierarchical") else "flat"
+        nodes = moe.dp_ranks_per_node if self.pcc else moe.stage_ranks_per_node
+        self.exchange = make_all_to_all(kind, self.group, nodes) if self.group.size > 1 else None
+
+    def __call__(self, x, routing, experts):                     # x [T, D] -> combined expert output [T, D]
+        rows = self.ops.permute(x, routing)                      # [R, D], grouped by expert
+        if self.exchange is None:                                # every expert is here
+            out = experts(rows, routing.expert_of_row - experts.first_expert)
+            return self.ops.unpermute(out, routing, x.shape[0])
+        copy_row, dest = self._destinations(routing.expert_of_row)                         # [N], [N]
+        counts = np.bincount(dest, minlength=self.group.size).astype(np.int64)
+        send = [rows[copy_row], routing.expert_of_row[copy_row] % self.local_experts]
+        (recv_rows, recv_expert), recv_counts = self.exchange.exchange(send, counts)       # comm
+        out = experts(recv_rows, recv_expert)                                              # local: [M, D]
+        (back,), _ = self.exchange.exchange([out], recv_counts)                           # comm: [N, D]
+        if self.pcc:                                                                       # comm: tp all-gather
+            copy_row, back = self.tp.all_gather_v(copy_row), self.tp.all_gather_v(back)
+        summed = self.ops.zeros((len(routing.expert_of_row), x.shape[1]), np.float32)
+        self.ops.scatter_add_rows(summed, copy_row, back)       # slices (and tp shares) of a row add up
+        return self.ops.unpermute(summed, routing, x.shape[0])
+
+    def _destinations(self, expert_of_row: np.ndarray):
+        """(routed row of each copy, destination rank in the exchange group), ordered by destination."""
+        R, etp = len(expert_of_row), self.expert_tp
+        copy_row = np.repeat(np.arange(R), etp)
+        dest = (expert_of_row[copy_row] // self.local_experts) * etp + np.tile(np.arange(etp), R)   # stage rank
+        if self.pcc:
+            mine = dest % self.tp.size == self.tp.rank
+            copy_row, dest = copy_row[mine], dest[mine] // self.tp.size                    # dp index
+        order = np.argsort(dest, kind="stable")
+        return copy_row[order], dest[order]
