@@ -20,6 +20,12 @@ def _meta(help: str, check=None, choices=None):
     return {"help": help, "check": check, "choices": choices}
 
 
+def _preset_check(v):
+    from .checkpoint.presets import PRESETS
+
+    return v in PRESETS, f"is not a preset; presets: {', '.join(PRESETS)}"
+
+
 def _path(v):
     return v.strip() != "", "must be a non-empty path"
 
@@ -38,7 +44,11 @@ def _probability(v):
 
 @dataclass(frozen=True)
 class ModelSection:
-    checkpoint: str = field(metadata=_meta("path of the hpcinfer HDF5 checkpoint (made by `hpcinfer convert`)", _path))
+    checkpoint: str | None = field(default=None, metadata=_meta(
+        "path of the hpcinfer HDF5 checkpoint (made by `hpcinfer convert`)", _path))
+    preset: str | None = field(default=None, metadata=_meta(
+        "a named model shape with random weights made on each rank (docs/presets.md), instead of a checkpoint",
+        lambda v: _preset_check(v)))
     dtype: str = field(default="float32", metadata=_meta("weight storage dtype on the device", choices=DTYPES))
 
 
@@ -48,6 +58,22 @@ class ParallelSection:
     pp: int = field(default=1, metadata=_meta("pipeline stages", _positive))
     ranks_per_node: int = field(default=0, metadata=_meta("ranks per node; 0 = from MPI's shared-memory split",
                                                           _non_negative))
+    ep: int = field(default=1, metadata=_meta("expert-parallel degree (MoE models)", _positive))
+    expert_tp: int = field(default=1, metadata=_meta("expert-slicing degree: each expert split over this many "
+                                                     "ranks (MoE models)", _positive))
+
+
+ALL_TO_ALL = ("flat", "hierarchical", "pcc", "pcc+hierarchical")
+
+
+@dataclass(frozen=True)
+class MoESection:
+    all_to_all: str = field(default="pcc+hierarchical", metadata=_meta(
+        "expert all-to-all: flat, hierarchical (intra- then inter-node), pcc (parallelism-coordinated), or both",
+        choices=ALL_TO_ALL))
+    capacity_factor: float | None = field(default=None, metadata=_meta(
+        "expert capacity factor (> 0); unset: the checkpoint's (0 there: no capacity limit)",
+        lambda v: (v > 0, "must be > 0")))
 
 
 @dataclass(frozen=True)
@@ -86,7 +112,7 @@ class GenerateSection:
     metrics: str | None = field(default=None, metadata=_meta("optional JSON metrics file", _path))
 
 
-SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "schedule": ScheduleSection,
+SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "schedule": ScheduleSection, "moe": MoESection,
             "runtime": RuntimeSection, "generate": GenerateSection}
 REQUIRED_SECTIONS = ("model", "generate")
 
@@ -97,6 +123,7 @@ class Config:
     model: ModelSection
     parallel: ParallelSection
     schedule: ScheduleSection
+    moe: MoESection
     runtime: RuntimeSection
     generate: GenerateSection
 
@@ -141,6 +168,9 @@ def _build(path: str, raw: dict) -> Config:
             raise ConfigError(f"{path}: missing section [{name}]")
     sections = {name: _build_section(path, name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()}
     config = Config(path=path, **sections)
+    if (config.model.checkpoint is None) == (config.model.preset is None):
+        raise ConfigError(f"{path}: [model] needs exactly one of 'checkpoint' (an HDF5 file) and 'preset' "
+                          f"(random weights of a named shape)")
     batch = config.generate.batch_size
     for key in ("prompt_micro_batches", "gen_micro_batches"):
         value = getattr(config.schedule, key)
@@ -191,16 +221,17 @@ def _build_section(path: str, name: str, cls, values) -> object:
 
 
 _TYPES = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,), "str | None": (str,),
-          "int | str": (int, str)}
+          "int | str": (int, str), "float | None": (float, int)}
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-               "str | None": "a string", "int | str": "a number of bytes or a size string such as \"512MB\""}
+               "str | None": "a string", "int | str": "a number of bytes or a size string such as \"512MB\"",
+               "float | None": "a number"}
 
 
 def _check_value(path: str, key: str, f: dataclasses.Field, value):
     allowed = _TYPES[f.type]
     if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
         raise ConfigError(f"{path}: {key} = {value!r} must be {_TYPE_WORDS[f.type]}")
-    if f.type == "float":
+    if f.type in ("float", "float | None"):
         value = float(value)
     choices, check = f.metadata["choices"], f.metadata["check"]
     if choices and value not in choices:

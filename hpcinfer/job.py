@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from .backend.ops import make_ops
 from .checkpoint.format import open_checkpoint
 from .comm.mesh import MeshShape
@@ -18,7 +20,7 @@ from .generate.sampling import SamplingParams
 from .generate.schedule import micro_batches
 from .generate.tokenizer import TextTokenizer
 from .metrics import summarize
-from .parallel.layout import check_tensor_parallel
+from .parallel.layout import check_experts, check_tensor_parallel
 from .parallel.stages import partition_layers
 
 
@@ -43,12 +45,13 @@ class RankReport:
 def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
     """Everything that can be wrong with the inputs, checked on every rank before any weight is read."""
     make_ops(config.runtime.backend)
-    ckpt = open_checkpoint(config.model.checkpoint)
+    ckpt = open_model_source(config.model)
     try:
         par = config.parallel
         check_tensor_parallel(ckpt.arch, par.tp, config.path)
         stages = partition_layers(ckpt.arch, par.pp, config.path)
         MeshShape.for_world(world_size, par.tp, par.pp).check_nodes(ranks_per_node)
+        check_experts(ckpt.arch, par.tp, par.pp, par.ep, par.expert_tp, world_size, config.path)
         tokenizer = TextTokenizer.from_checkpoint(ckpt)
         prompts = load_prompts(config.generate.prompts, ckpt.arch, tokenizer)
         _check_kv_offload(config, ckpt.arch, stages, prompts, world_size, ranks_per_node)
@@ -60,6 +63,15 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
         ckpt.close()
         raise
     return Job(config, ckpt, tokenizer, prompts, stages)
+
+
+def open_model_source(model_section):
+    """The checkpoint file, or a preset's random weights (the same reading interface, made on each rank)."""
+    if model_section.preset is not None:
+        from .checkpoint.presets import open_preset
+
+        return open_preset(model_section.preset)
+    return open_checkpoint(model_section.checkpoint)
 
 
 def schedule_params(config, local_rank: int = 0) -> ScheduleParams:
@@ -105,19 +117,23 @@ def _check_writable(path: str, key: str) -> None:
 
 
 def generate_share(model, job: Job, mesh, link) -> tuple[StepTimes, list]:
-    """This data-parallel replica's batches (batch b goes to replica b mod dp), through its pipeline."""
+    """This data-parallel replica's batches (batch b goes to replica b mod dp), through its pipeline. For MoE
+    models the replicas exchange tokens in every MoE layer, so they step together: each takes its slice of every
+    batch."""
     g = job.config.generate
     params = GenerationParams(g.max_new_tokens, SamplingParams(g.temperature, g.top_k, g.top_p), g.seed,
                               g.ignore_eos)
     schedule = schedule_params(job.config, mesh.local_rank)
     _, dp_index, _ = mesh.coords
+    dp = mesh.shape.dp
+    lockstep = mesh.dp if model.arch.moe_experts and dp > 1 else None      # experts are exchanged across replicas
     times, results = StepTimes(), []
     for b, batch in enumerate(_batches(len(job.prompts), g.batch_size)):
-        if b % mesh.shape.dp != dp_index:
+        if lockstep is None and b % dp != dp_index:
             continue
-        indices = list(batch)
+        indices = list(batch) if lockstep is None else [int(i) for i in np.array_split(list(batch), dp)[dp_index]]
         outputs = generate_batch(model, [job.prompts[i].tokens for i in indices], indices, params, times,
-                                 schedule, link)
+                                 schedule, link, lockstep=lockstep, batch_size=len(batch))
         if outputs is not None:
             results += [(i, tokens, reason) for i, (tokens, reason) in zip(indices, outputs)]
     return times, results

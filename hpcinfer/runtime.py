@@ -14,7 +14,7 @@ import time
 import traceback
 
 from .backend.ops import make_ops
-from .comm.group import Groups
+from .comm.group import Groups, MoELayout
 from .comm.mesh import build_mesh, shared_memory_ranks
 from .comm.pipeline import StageLink
 from .config import load_config
@@ -90,8 +90,8 @@ def _run(world, config_path: str, overrides: list[str]) -> None:
     t0 = time.perf_counter()
     stage = job.stages[mesh.coords[0]]
     with job.ckpt as ckpt:
-        model = Decoder(make_ops(config.runtime.backend), Groups(tp=mesh.tp, pp=mesh.pp), ckpt.arch,
-                        config.model.dtype, stage).load(ckpt)
+        model = Decoder(make_ops(config.runtime.backend), _groups(config, mesh), ckpt.arch, config.model.dtype,
+                        stage, config.moe.capacity_factor).load(ckpt)
     load_s = time.perf_counter() - t0
     _injected_fault(rank)
 
@@ -104,6 +104,13 @@ def _run(world, config_path: str, overrides: list[str]) -> None:
     gathered = world.gather(RankReport(mesh.coords, local if is_writer else [], times, generate_s))
     if rank == 0:
         write_outputs(job, model.arch, mesh, gathered, load_s, time.perf_counter() - t_start, threads)
+
+
+def _groups(config, mesh) -> Groups:
+    par = config.parallel
+    moe = MoELayout(par.ep, par.expert_tp, config.moe.all_to_all, mesh.node_size_in(mesh.stage_members()),
+                    mesh.node_size_in(mesh.dp_members()))
+    return Groups(tp=mesh.tp, pp=mesh.pp, stage=mesh.stage, dp=mesh.dp, moe=moe)
 
 
 def _injected_fault(rank: int) -> None:

@@ -197,7 +197,7 @@ KEY_ERRORS = {
                            ["unknown key 'max_new_token' in [generate]", "allowed keys:", "max_new_tokens"]),
     "unknown key in an optional section": ({"parallel.dp": "2"},
                                            ["unknown key 'dp' in [parallel]", "tp, pp"]),
-    "missing model.checkpoint": ({"model.checkpoint": None}, ["[model]", "required key 'checkpoint'"]),
+    "missing model.checkpoint": ({"model.checkpoint": None}, ["[model] needs exactly one of 'checkpoint'", "preset"]),
     "missing generate.prompts": ({"generate.prompts": None}, ["[generate]", "required key 'prompts'"]),
     "missing generate.output": ({"generate.output": None}, ["[generate]", "required key 'output'"]),
     "string for an int": ({"parallel.tp": '"2"'}, ["parallel.tp = '2'", "must be an integer"]),

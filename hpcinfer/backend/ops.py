@@ -50,7 +50,8 @@ class StepLayout:
     @property
     def positions(self) -> np.ndarray:
         """[T] absolute position of every token."""
-        return np.concatenate([np.arange(a, a + n) for a, n in zip(self.starts, self.counts)])
+        return np.concatenate([np.arange(a, a + n) for a, n in zip(self.starts, self.counts)] or
+                              [np.zeros(0, dtype=np.int64)])
 
     @property
     def last_token_index(self) -> np.ndarray:

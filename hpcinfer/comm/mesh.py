@@ -46,6 +46,7 @@ class Mesh:
     dp: MPIGroup
     pp: MPIGroup
     ranks_per_node: int
+    stage: MPIGroup = None       # every rank of this pipeline stage (dp * tp of them): the expert-parallel world
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -59,6 +60,25 @@ class Mesh:
     def local_rank(self) -> int:
         """Rank within its node (ranks are placed on nodes in blocks of ranks_per_node)."""
         return self.world.rank % self.ranks_per_node
+
+    def node_size_in(self, members: list[int]) -> int:
+        """How many of `members` (world ranks, ascending) share a node, when every node holds the same number of
+        them as consecutive group ranks (what a hierarchical exchange over them needs); else 1 (no hierarchy)."""
+        nodes = [m // self.ranks_per_node for m in members]
+        per_node = nodes.count(nodes[0])
+        blocks = [nodes[i:i + per_node] for i in range(0, len(nodes), per_node)]
+        regular = all(len(set(b)) == 1 and len(b) == per_node for b in blocks)
+        return per_node if regular else 1
+
+    def stage_members(self) -> list[int]:
+        pp_i = self.coords[0]
+        n = self.shape.dp * self.shape.tp
+        return list(range(pp_i * n, (pp_i + 1) * n))
+
+    def dp_members(self) -> list[int]:
+        pp_i, _, tp_i = self.coords
+        n = self.shape.dp * self.shape.tp
+        return [pp_i * n + d * self.shape.tp + tp_i for d in range(self.shape.dp)]
 
     def describe(self) -> str:
         pp_i, dp_i, tp_i = self.coords
@@ -83,5 +103,6 @@ def build_mesh(comm, tp: int, pp: int, ranks_per_node: int) -> Mesh:
     tp_comm = comm.Split(color=pp_i * shape.dp + dp_i, key=tp_i)
     dp_comm = comm.Split(color=pp_i * shape.tp + tp_i, key=dp_i)
     pp_comm = comm.Split(color=dp_i * shape.tp + tp_i, key=pp_i)
+    stage_comm = comm.Split(color=pp_i, key=dp_i * shape.tp + tp_i)
     return Mesh(shape, MPIGroup(comm, "world"), MPIGroup(tp_comm, "tp"), MPIGroup(dp_comm, "dp"),
-                MPIGroup(pp_comm, "pp"), ranks_per_node)
+                MPIGroup(pp_comm, "pp"), ranks_per_node, MPIGroup(stage_comm, "stage"))

@@ -29,11 +29,12 @@ class Dispatcher:
         self.group = groups.dp if self.pcc else groups.stage
         kind = "hierarchical" if moe.all_to_all.endswith("hierarchical") else "flat"
         nodes = moe.dp_ranks_per_node if self.pcc else moe.stage_ranks_per_node
-        self.exchange = make_all_to_all(kind, self.group, nodes) if self.group.size > 1 else None
+        self.exchange = make_all_to_all(kind, self.group, nodes)
+        self.all_local = groups.stage.size == 1                   # ep = expert_tp = 1: every expert is here
 
     def __call__(self, x, routing, experts):                     # x [T, D] -> combined expert output [T, D]
         rows = self.ops.permute(x, routing)                      # [R, D], grouped by expert
-        if self.exchange is None:                                # every expert is here
+        if self.all_local:
             out = experts(rows, routing.expert_of_row - experts.first_expert)
             return self.ops.unpermute(out, routing, x.shape[0])
         copy_row, dest = self._destinations(routing.expert_of_row)                         # [N], [N]
