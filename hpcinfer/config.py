@@ -11,6 +11,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from .backend.ops import BACKENDS
+from .comm.nccl_group import COMMS
 from .errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -93,7 +94,13 @@ class ScheduleSection:
 
 @dataclass(frozen=True)
 class RuntimeSection:
-    backend: str = field(default="auto", metadata=_meta("compute backend", choices=BACKENDS))
+    backend: str = field(default="auto", metadata=_meta(
+        "compute backend: numpy, cupy (the GPU of the node-local rank), auto (cupy when a GPU is visible)",
+        choices=BACKENDS))
+    comm: str = field(default="auto", metadata=_meta(
+        "communicators: nccl (device arrays over NCCL; cupy backend, one GPU per rank), mpi (mpi4py; with cupy, "
+        "device arrays go through host memory), auto (nccl with cupy when NCCL loads and no GPU is shared, else "
+        "mpi)", choices=COMMS))
     threads: int = field(default=0, metadata=_meta("BLAS threads per rank; 0 = cores / ranks on the node",
                                                    _non_negative))
 
@@ -171,6 +178,9 @@ def _build(path: str, raw: dict) -> Config:
     if (config.model.checkpoint is None) == (config.model.preset is None):
         raise ConfigError(f"{path}: [model] needs exactly one of 'checkpoint' (an HDF5 file) and 'preset' "
                           f"(random weights of a named shape)")
+    if config.runtime.comm == "nccl" and config.runtime.backend == "numpy":
+        raise ConfigError(f"{path}: runtime.comm = 'nccl' needs device arrays; use backend = \"cupy\" (or \"auto\" "
+                          f"on a GPU), or comm = \"mpi\"")
     batch = config.generate.batch_size
     for key in ("prompt_micro_batches", "gen_micro_batches"):
         value = getattr(config.schedule, key)

@@ -16,6 +16,7 @@ import traceback
 from .backend.ops import make_ops
 from .comm.group import Groups, MoELayout
 from .comm.mesh import build_mesh, shared_memory_ranks
+from .comm.nccl_group import device_group_factory, resolve_comm
 from .comm.pipeline import StageLink
 from .config import load_config
 from .errors import HpcinferError
@@ -87,11 +88,15 @@ def _run(world, config_path: str, overrides: list[str]) -> None:
     threads = _set_threads(config, world)
     _print_mesh(world, mesh, threads)
 
+    # the backend on this rank's GPU (node-local rank), then the communicators for its arrays (CUDA backend)
+    ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank))
+    comm = agree(world, lambda: resolve_comm(config.runtime.comm, ops, world))
+    groups = _groups(config, mesh, device_group_factory(comm, ops))
+
     t0 = time.perf_counter()
     stage = job.stages[mesh.coords[0]]
     with job.ckpt as ckpt:
-        model = Decoder(make_ops(config.runtime.backend), _groups(config, mesh), ckpt.arch, config.model.dtype,
-                        stage, config.moe.capacity_factor).load(ckpt)
+        model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor).load(ckpt)
     load_s = time.perf_counter() - t0
     _injected_fault(rank)
 
@@ -106,11 +111,13 @@ def _run(world, config_path: str, overrides: list[str]) -> None:
         write_outputs(job, model.arch, mesh, gathered, load_s, time.perf_counter() - t_start, threads)
 
 
-def _groups(config, mesh) -> Groups:
+def _groups(config, mesh, wrap) -> Groups:
+    """The mesh's MPI groups, each wrapped by `wrap` (NCCL or host-staged groups for device arrays; identity for
+    numpy). Every rank wraps the same groups in the same order: building an NCCL communicator is collective."""
     par = config.parallel
     moe = MoELayout(par.ep, par.expert_tp, config.moe.all_to_all, mesh.node_size_in(mesh.stage_members()),
                     mesh.node_size_in(mesh.dp_members()))
-    return Groups(tp=mesh.tp, pp=mesh.pp, stage=mesh.stage, dp=mesh.dp, moe=moe)
+    return Groups(tp=wrap(mesh.tp), pp=wrap(mesh.pp), stage=wrap(mesh.stage), dp=wrap(mesh.dp), moe=moe)
 
 
 def _injected_fault(rank: int) -> None:

@@ -16,7 +16,10 @@ Sizes (V=vocab D=hidden L=layers H=heads Hkv=KV heads F=MLP width P=max position
     gpt_neox   V=300 D=64 L=2 H=4  Hkv=4 F=128 P=128  rotary on half of each head, parallel residual, untied
     llama      V=256 D=64 L=3 H=4  Hkv=2 F=96  P=128  rmsnorm, GQA, rope_theta 5e5, silu gated MLP, untied
     llama_mha  V=256 D=64 L=2 H=4  Hkv=4 F=96  P=128  as llama but multi-head, tied head, attention and MLP biases
-Every family runs at tp=2; all but llama (2 KV heads) also at tp=4.
+    mixtral    V=256 D=64 L=2 H=4  Hkv=2 F=96  P=128  llama attention (GQA), every layer a top-2 MoE of 8 SiLU-gated
+                                                      experts (E=8, expert width F); router re-drawn at ROUTER_GAIN
+Every family runs at tp=2; all but llama and mixtral (2 KV heads) also at tp=4. mixtral is in MOE_VARIANTS, not
+in VARIANTS (the dense-model suites iterate VARIANTS).
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ import numpy as np
 
 FAMILIES = ("gpt2", "opt", "gpt_neox", "llama")
 VARIANTS = FAMILIES + ("llama_mha",)
+MOE_VARIANTS = ("mixtral",)
 SEED = 1234
 EMBED_STD = 1.0       # token/position tables and an untied LM head: logits std ~ EMBED_STD * sqrt(D) = 8
 LINEAR_GAIN = 2.5     # projections ~ N(0, (gain / sqrt(fan_in))^2): the layers, not the embedding, pick the token
 NORM_STD = 0.2        # norm weights ~ 1 + N(0, NORM_STD)
 BIAS_STD = 0.1
+ROUTER_GAIN = 4.0     # MoE router ~ N(0, (gain / sqrt(D))^2): logits of spread ~4, so the top-k is decisive
 
 
 def _config(family: str):
-    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, OPTConfig
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig, OPTConfig
 
     common = dict(attn_implementation="eager")
     if family == "gpt2":
@@ -61,7 +66,13 @@ def _config(family: str):
                            rope_parameters={"rope_type": "default", "rope_theta": 5e5},
                            tie_word_embeddings=mha, attention_bias=mha, mlp_bias=mha,
                            bos_token_id=1, eos_token_id=2, **common)
-    raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(VARIANTS)}")
+    if family == "mixtral":
+        return MixtralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,
+                             max_position_embeddings=128, rms_norm_eps=1e-6, router_jitter_noise=0.0,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **common)
+    raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(VARIANTS + MOE_VARIANTS)}")
 
 
 def _rescale(model) -> None:
@@ -77,6 +88,12 @@ def _rescale(model) -> None:
                 p.normal_(1.0, NORM_STD)
             elif "embed" in name or "wte" in name or "wpe" in name or name.startswith("lm_head"):
                 p.normal_(0.0, EMBED_STD)
+            elif name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                p.normal_(0.0, ROUTER_GAIN / math.sqrt(p.shape[1]))  # Mixtral's router [E, D]
+            elif p.ndim == 3:
+                # a fused expert stack (transformers 5 Mixtral: gate_up_proj [E, 2F, D], down_proj [E, D, F]):
+                # each expert is an [out, in] matrix
+                p.normal_(0.0, LINEAR_GAIN / math.sqrt(p.shape[2]))
             else:
                 # nn.Linear stores [out, in]; GPT-2's Conv1D (c_attn, c_proj, c_fc) stores [in, out]
                 conv1d = leaf[-2] in ("c_attn", "c_proj", "c_fc")

@@ -1,4 +1,4 @@
-"""The Ops seam: one interface, a NumPy implementation (the spec) and later a CuPy one (kernels).
+"""The Ops seam: one interface, a NumPy implementation (the spec) and a CuPy one (backend/cupy_ops.py).
 
 `StepLayout` describes how the tokens of one forward step are packed: the model always sees x [T, D] with the
 tokens of all sequences of the step concatenated, prefill and decode alike.
@@ -87,12 +87,20 @@ class Ops(Protocol):
 BACKENDS = ("auto", "numpy", "cupy")
 
 
-def make_ops(backend: str) -> Ops:
-    """Resolve `[runtime] backend`. Until the CUDA backend lands, `auto` always means numpy."""
-    if backend in ("auto", "numpy"):
+def make_ops(backend: str, device: int | None = None) -> Ops:
+    """Resolve `[runtime] backend`: numpy; cupy (a CUDA GPU, or a ConfigError saying why not); auto = cupy when
+    cupy sees a GPU, else numpy. `device` (cupy only): the GPU among the visible ones, taken modulo their count;
+    the runtime passes the node-local rank. None selects no device and touches no GPU (a check of the config)."""
+    from .cupy_ops import gpu_available
+
+    if backend == "numpy" or (backend == "auto" and not gpu_available()):
         from .numpy_ops import NumpyOps
 
         return NumpyOps()
+    if backend in ("auto", "cupy"):
+        from .cupy_ops import CupyOps
+
+        return CupyOps(device)
     from ..errors import ConfigError
 
-    raise ConfigError(f"[runtime] backend = {backend!r} is not available in this version; use \"numpy\" or \"auto\"")
+    raise ConfigError(f"[runtime] backend = {backend!r} is not one of {', '.join(BACKENDS)}")

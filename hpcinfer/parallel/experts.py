@@ -29,15 +29,15 @@ class ExpertStack:
         e, f = self.experts, self.width
         parts = ("gate", "up") if self.gated else ("up",)
         up = np.concatenate([ckpt.read_slab(f"{self.prefix}.{p}.weight", (e, f)) for p in parts], axis=1)
-        self.up = [self.ops.asarray(w.astype(self.dtype)) for w in up]                  # El x [2 Fs | Fs, D]
+        self.up = [self.ops.asarray(w.astype(self.dtype, copy=False)) for w in up]                  # El x [2 Fs | Fs, D]
         down = ckpt.read_slab(f"{self.prefix}.down.weight", (e, f))                     # [El, Fs, D]
-        self.down = [self.ops.asarray(w.T.astype(self.dtype)) for w in down]            # El x [D, Fs]
+        self.down = [self.ops.asarray(w.T.astype(self.dtype, copy=False)) for w in down]            # El x [D, Fs]
         if self.arch.mlp_bias:
             bias = np.concatenate([ckpt.read_slab(f"{self.prefix}.{p}.bias", (e, f)) for p in parts], axis=1)
-            self.up_bias = [self.ops.asarray(b.astype(np.float32)) for b in bias]
+            self.up_bias = [self.ops.asarray(b.astype(np.float32, copy=False)) for b in bias]
             if self.slice_index == 0:                   # the down bias is added once, by the first slice
                 down_bias = ckpt.read_slab(f"{self.prefix}.down.bias", (e,))
-                self.down_bias = [self.ops.asarray(b.astype(np.float32)) for b in down_bias]
+                self.down_bias = [self.ops.asarray(b.astype(np.float32, copy=False)) for b in down_bias]
 
     def __call__(self, rows, local_expert: np.ndarray):
         """rows [M, D] and each row's local expert index [M] -> this rank's output rows [M, D] (a partial sum over

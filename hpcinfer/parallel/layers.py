@@ -46,7 +46,7 @@ class Replicated:
         self.value = None
 
     def load(self, ckpt):
-        self.value = self.ops.asarray(ckpt.read(self.name).astype(self.dtype))
+        self.value = self.ops.asarray(ckpt.read(self.name).astype(self.dtype, copy=False))
         return self.value
 
 
@@ -63,10 +63,10 @@ class ColumnParallelLinear:
     def load(self, ckpt):
         rows = [even_shard(n, self.tp.size, self.tp.rank) for n in self.out_sizes]
         w = np.concatenate([ckpt.read(f"{name}.weight", r) for name, r in zip(self.names, rows)])
-        self.w = self.ops.asarray(w.astype(self.dtype))
+        self.w = self.ops.asarray(w.astype(self.dtype, copy=False))
         if self.bias:
             b = np.concatenate([ckpt.read(f"{name}.bias", r) for name, r in zip(self.names, rows)])
-            self.b = self.ops.asarray(b.astype(np.float32))
+            self.b = self.ops.asarray(b.astype(np.float32, copy=False))
 
     def __call__(self, x):                                        # x [T, in] -> [T, sum(local_sizes)]
         return self.ops.linear(x, self.w, self.b)
@@ -83,9 +83,9 @@ class RowParallelLinear:
     def load(self, ckpt):
         rows = even_shard(self.in_size, self.tp.size, self.tp.rank)
         block = ckpt.read(f"{self.name}.weight", rows)            # stored [in_local, out]
-        self.w = self.ops.asarray(block.T.astype(self.dtype))     # compute layout [out, in_local], contiguous
+        self.w = self.ops.asarray(block.T.astype(self.dtype, copy=False))     # compute layout [out, in_local], contiguous
         if self.bias:
-            self.b = self.ops.asarray(ckpt.read(f"{self.name}.bias").astype(np.float32))
+            self.b = self.ops.asarray(ckpt.read(f"{self.name}.bias").astype(np.float32, copy=False))
 
     def __call__(self, x):                                        # x [T, in_local] -> [T, out]
         y = reduce_from_tp(self.ops.linear(x, self.w), self.tp)
