@@ -7,6 +7,7 @@
 #   make test-quick  the same without the tests marked slow (8-rank layouts)
 #   make bench-cpu   CPU benchmark (bench/cpu.py)
 #   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (bench/pipeline.py)
+#   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layer times (bench/moe.py)
 #   make clean       remove out/ and build stamps (keeps the venv and models)
 #   make distclean   clean, and remove the venv, the download cache and models/
 #
@@ -25,7 +26,7 @@ GGUF_NAME = SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
-.PHONY: venv model demo test test-quick bench-cpu bench-pipeline clean distclean
+.PHONY: venv model demo test test-quick bench-cpu bench-pipeline bench-moe clean distclean
 .DELETE_ON_ERROR:
 
 venv: $(INSTALLED)
@@ -69,6 +70,10 @@ bench-cpu: venv $(H5)
 
 bench-pipeline: venv $(H5)
 	$(PY) -m bench.pipeline
+
+# No checkpoint needed: random inputs and weights; the MPI part uses the venv's mpiexec.
+bench-moe: venv
+	$(PY) -m bench.moe
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache $(INSTALLED)

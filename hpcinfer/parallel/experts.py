@@ -29,9 +29,9 @@ class ExpertStack:
         e, f = self.experts, self.width
         parts = ("gate", "up") if self.gated else ("up",)
         up = np.concatenate([ckpt.read_slab(f"{self.prefix}.{p}.weight", (e, f)) for p in parts], axis=1)
-        self.up = [self.ops.asarray(w.astype(self.dtype, copy=False)) for w in up]                  # El x [2 Fs | Fs, D]
+        self.up = [self.ops.asarray(w.astype(self.dtype, copy=False)) for w in up]     # El x [2Fs | Fs, D]
         down = ckpt.read_slab(f"{self.prefix}.down.weight", (e, f))                     # [El, Fs, D]
-        self.down = [self.ops.asarray(w.T.astype(self.dtype, copy=False)) for w in down]            # El x [D, Fs]
+        self.down = [self.ops.asarray(w.T.astype(self.dtype, copy=False)) for w in down]   # El x [D, Fs]
         if self.arch.mlp_bias:
             bias = np.concatenate([ckpt.read_slab(f"{self.prefix}.{p}.bias", (e, f)) for p in parts], axis=1)
             self.up_bias = [self.ops.asarray(b.astype(np.float32, copy=False)) for b in bias]

@@ -83,7 +83,7 @@ class RowParallelLinear:
     def load(self, ckpt):
         rows = even_shard(self.in_size, self.tp.size, self.tp.rank)
         block = ckpt.read(f"{self.name}.weight", rows)            # stored [in_local, out]
-        self.w = self.ops.asarray(block.T.astype(self.dtype, copy=False))     # compute layout [out, in_local], contiguous
+        self.w = self.ops.asarray(block.T.astype(self.dtype, copy=False))     # [out, in_local], contiguous
         if self.bias:
             self.b = self.ops.asarray(ckpt.read(f"{self.name}.bias").astype(np.float32, copy=False))
 
