@@ -1,4 +1,4 @@
-"""Command line: `hpcinfer run | convert | inspect` (also `python -m hpcinfer ...`)."""
+"""Command line: `hpcinfer run | convert | inspect | profile | plan` (also `python -m hpcinfer ...`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,43 @@ def _parser() -> argparse.ArgumentParser:
                          help="storage dtype (default float32)")
     inspect = sub.add_parser("inspect", help="print a checkpoint's architecture and tensors, and check it")
     inspect.add_argument("checkpoint")
+    _offload_parsers(sub)
     return parser
+
+
+def _offload_parsers(sub) -> None:
+    """`profile` and `plan` (docs/offload-planning.md)."""
+    profile = sub.add_parser("profile", help="measure this machine's tier bandwidths and matmul rates (TOML)")
+    profile.add_argument("--out", help="write the profile here (default: print it)")
+    profile.add_argument("--disk-dir", default=None,
+                         help="directory the disk tier lives in, measured with a temp file (default: the "
+                              "system temp dir)")
+    profile.add_argument("--size", default="256MiB", help="bytes moved per measurement (default 256MiB)")
+    plan = sub.add_parser("plan", help="search FlexGen's offloading policy for a model on a machine and print it "
+                                       "as an [offload] section")
+    plan.add_argument("--model", required=True, help="a preset name (docs/presets.md) or an hpcinfer checkpoint")
+    plan.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    plan.add_argument("--gen-len", type=int, default=32, help="generated tokens per sequence (default 32)")
+    plan.add_argument("--max-latency", type=float, default=None, metavar="S",
+                      help="seconds a block may take at most (default: no limit)")
+    plan.add_argument("--profile", default=None, metavar="FILE|PRESET",
+                      help="hardware profile: a file from `hpcinfer profile` or a preset (t4-16gb, "
+                           "a100-40gb-pcie4, h100-80gb); default: measure this machine")
+    plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                      help="weight and cache dtype (default: the checkpoint's; float32 for a preset)")
+    plan.add_argument("--schedule", default="zigzag", choices=["zigzag", "row"],
+                      help="zigzag (FlexGen's block schedule, default) or row (ZeRO-Inference)")
+    plan.add_argument("--prefetch-layers", type=int, default=1, help="layers fetched ahead; 0 = no overlap")
+    plan.add_argument("--cpu-attention", default="auto", choices=["auto", "on", "off"],
+                      help="decode attention on the host for host-resident cache (default: whichever is faster)")
+    plan.add_argument("--fix", action="append", default=[], metavar="KEY=PERCENT",
+                      help="hold one placement percentage (repeatable), e.g. --fix cache_gpu=100 --fix act_gpu=100 "
+                           "(ZeRO-Inference's placement); the LP places the rest")
+    plan.add_argument("--candidates", type=int, default=10, help="rows of the candidates table (default 10)")
+    for parser in (profile, plan):
+        for tier in ("device", "host", "disk"):
+            parser.add_argument(f"--{tier}-memory", default=None, metavar="BYTES",
+                                help=f'{tier} tier capacity: bytes, or a size such as "16GB" or "2GiB"')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             return _convert(args.source, args.output, args.dtype)
+        if args.command == "profile":
+            return _profile(args)
+        if args.command == "plan":
+            return _plan(args)
         return _inspect(args.checkpoint)
     except HpcinferError as exc:
         print(f"hpcinfer: error: {exc}", file=sys.stderr)
@@ -67,3 +107,167 @@ def _inspect(path: str) -> int:
     with open_checkpoint(path) as ckpt:
         print(describe(ckpt))
     return 0
+
+
+def _bytes_option(name: str, value: str | None) -> int | None:
+    from .config import parse_bytes
+    from .errors import ConfigError
+
+    if value is None:
+        return None
+    try:
+        result = parse_bytes(value.strip())
+    except (ValueError, AttributeError):
+        raise ConfigError(f"--{name} {value!r} is not a number of bytes nor a size such as \"16GB\"") from None
+    if result < 0:
+        raise ConfigError(f"--{name} {value!r} must be >= 0")
+    return result
+
+
+def _budgets(args) -> dict:
+    return {f"{tier}_memory": _bytes_option(f"{tier}-memory", getattr(args, f"{tier}_memory"))
+            for tier in ("device", "host", "disk")}
+
+
+def _measure(args):
+    import os
+    import tempfile
+
+    from .errors import ConfigError
+    from .offload.profile import measure
+
+    disk_dir = getattr(args, "disk_dir", None) or tempfile.gettempdir()
+    if not os.path.isdir(disk_dir):
+        raise ConfigError(f"--disk-dir '{disk_dir}' is not a directory")
+    size = _bytes_option("size", getattr(args, "size", "256MiB"))
+    try:
+        return measure(disk_dir, size=size, **_budgets(args))
+    except OSError as exc:
+        raise ConfigError(f"cannot measure the disk under '{disk_dir}': {exc.strerror or exc}") from None
+
+
+def _profile(args) -> int:
+    import time
+
+    from .errors import ConfigError
+    from .offload.profile import save_profile
+
+    t0 = time.perf_counter()
+    profile = _measure(args)
+    if args.out is None:
+        sys.stdout.write(profile.to_toml())
+        return 0
+    try:
+        save_profile(profile, args.out)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the profile to '{args.out}': {exc.strerror or exc}") from None
+    print(f"hpcinfer: wrote {args.out} in {time.perf_counter() - t0:.1f} s: {profile.summary()}")
+    if profile.notes:
+        print(f"hpcinfer: note: {profile.notes}")
+    return 0
+
+
+def _plan_model(spec: str):
+    """(arch, dtype) of a preset name or a checkpoint file."""
+    import os
+
+    from .checkpoint.presets import PRESETS
+    from .errors import ConfigError
+
+    if spec in PRESETS:
+        return PRESETS[spec], "float32"
+    if os.path.exists(spec) or spec.endswith((".h5", ".hdf5")):
+        from .checkpoint.format import open_checkpoint
+
+        with open_checkpoint(spec) as ckpt:
+            return ckpt.arch, ckpt.dtype
+    raise ConfigError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint file")
+
+
+def _plan(args) -> int:
+    from .errors import ConfigError
+    from .offload.lp import search_policy
+    from .offload.profile import resolve_profile
+
+    for name in ("prompt_len", "gen_len"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_latency is not None and not args.max_latency > 0:
+        raise ConfigError(f"--max-latency must be > 0 seconds, got {args.max_latency:g}")
+    if args.prefetch_layers < 0:
+        raise ConfigError(f"--prefetch-layers must be >= 0, got {args.prefetch_layers}")
+    arch, stored_dtype = _plan_model(args.model)
+    dtype = args.dtype or stored_dtype
+    if args.profile is None:
+        print("hpcinfer: no --profile: measuring this machine (hpcinfer profile --out FILE keeps it)",
+              file=sys.stderr)
+        profile = _measure(args)
+    else:
+        profile = resolve_profile(args.profile).with_budgets(**_budgets(args))
+    cpu = {"auto": None, "on": True, "off": False}[args.cpu_attention]
+    fixed = _fixed_percentages(args.fix)
+    try:
+        policy, best, candidates = search_policy(arch, args.prompt_len, args.gen_len, profile, args.max_latency,
+                                                 cpu_attention=cpu, schedule=args.schedule,
+                                                 prefetch_layers=args.prefetch_layers, dtype=dtype, fixed=fixed)
+    except ValueError as exc:
+        raise ConfigError(f"--fix: {exc}") from None
+    print(_plan_report(args, arch, dtype, profile, policy, best, candidates))
+    return 0
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M" if n >= 10**6 else f"{n / 1e3:.1f}K"
+
+
+def _fixed_percentages(items: list[str]) -> dict:
+    from .errors import ConfigError
+
+    fixed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            fixed[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"--fix {item!r}: expected KEY=PERCENT, e.g. --fix cache_gpu=100")
+    return fixed
+
+
+def _plan_report(args, arch, dtype, profile, policy, best, candidates) -> str:
+    from .offload.cost_model import TIERS, ModelSizes
+    from .offload.policy import human_bytes
+
+    sizes = ModelSizes.of(arch, dtype)
+    lines = [
+        f"# hpcinfer plan: {args.model} ({_count(arch.param_count())} parameters, {dtype}: "
+        f"{human_bytes(sizes.total_weight_bytes)} of weights) on {profile.name}",
+        f"# workload: prompt {args.prompt_len} + {args.gen_len} generated tokens per sequence"
+        + (f", max latency {args.max_latency:g} s" if args.max_latency is not None else "")
+        + (f"; fixed: {', '.join(args.fix)}" if args.fix else ""),
+        f"# predicted: {best.throughput:.3g} tokens/s, latency {best.latency_s:.4g} s for a block of "
+        f"{policy.block_size} sequences (prefill {best.prefill_s:.4g} s + decode {best.decode_s:.4g} s)",
+        f"# bottleneck: {best.bottleneck}",
+        "# peak memory: " + ", ".join(f"{tier} {human_bytes(best.peak[tier])} of {human_bytes(best.budget[tier])}"
+                                      for tier in TIERS),
+        policy.to_toml_section(profile.device_memory, profile.host_memory).rstrip("\n"),
+    ]
+    shown = candidates[:max(args.candidates, 0)]
+    if shown:
+        lines += ["", f"# candidates (the {len(shown)} fastest of {len(candidates)} feasible block shapes):",
+                  "# gpu_batch  batches  block  weights g/c/d  cache g/c/d  act g/c/d  cpu_att  tokens/s  "
+                  "latency_s  device     host       disk"]
+        for p, pred in shown:
+            lines.append(
+                f"# {p.gpu_batch_size:>9}  {p.num_gpu_batches:>7}  {p.block_size:>5}  "
+                f"{_triple(p.weights_gpu, p.weights_cpu, p.weights_disk):>13}  "
+                f"{_triple(p.cache_gpu, p.cache_cpu, p.cache_disk):>11}  "
+                f"{_triple(p.act_gpu, p.act_cpu, p.act_disk):>9}  {('yes' if p.cpu_attention else 'no'):>7}  "
+                f"{pred.throughput:>8.3g}  {pred.latency_s:>9.4g}  "
+                + "  ".join(f"{human_bytes(pred.peak[t]):>9}" for t in TIERS))
+    return "\n".join(lines)
+
+
+def _triple(gpu: float, cpu: float, disk: float) -> str:
+    return "/".join(f"{v:.0f}" for v in (gpu, cpu, disk))

@@ -64,6 +64,41 @@ class ParallelSection:
                                                      "ranks (MoE models)", _positive))
 
 
+def _percent(v):
+    return 0.0 <= v <= 100.0, "must be a percentage in [0, 100]"
+
+
+@dataclass(frozen=True)
+class OffloadSection:
+    weights_gpu: float = field(default=100.0, metadata=_meta("percent of layers whose weights stay on the device",
+                                                             _percent))
+    weights_cpu: float = field(default=0.0, metadata=_meta("percent of layers in host memory (disk: the rest)",
+                                                           _percent))
+    cache_gpu: float = field(default=100.0, metadata=_meta("percent of GPU batches whose KV cache is on the device",
+                                                           _percent))
+    cache_cpu: float = field(default=0.0, metadata=_meta("percent of GPU batches whose KV cache is in host memory",
+                                                         _percent))
+    act_gpu: float = field(default=100.0, metadata=_meta("percent of activations on the device", _percent))
+    act_cpu: float = field(default=0.0, metadata=_meta("percent of activations in host memory", _percent))
+    device_memory: int | str = field(default=0, metadata=_meta("device byte budget per rank; 0 = unlimited",
+                                                               lambda v: _bytes_check(v)))
+    host_memory: int | str = field(default=0, metadata=_meta("host byte budget per rank; 0 = unlimited",
+                                                             lambda v: _bytes_check(v)))
+    disk_dir: str | None = field(default=None, metadata=_meta("directory for weights on disk", _path))
+    prefetch_layers: int = field(default=1, metadata=_meta("layers fetched ahead of use", _non_negative))
+    schedule: str = field(default="row", metadata=_meta("row (ZeRO-Inference) or zigzag (FlexGen block schedule)",
+                                                        choices=("row", "zigzag")))
+    gpu_batch_size: int = field(default=0, metadata=_meta("sequences per GPU batch; 0 = batch_size / "
+                                                          "num_gpu_batches", _non_negative))
+    num_gpu_batches: int = field(default=1, metadata=_meta("GPU batches per block (zig-zag)", _positive))
+    cpu_attention: bool = field(default=False, metadata=_meta("decode attention on the host for host-resident KV"))
+
+    @property
+    def active(self) -> bool:
+        return (self.weights_gpu < 100 or self.cache_gpu < 100 or self.schedule == "zigzag" or
+                self.num_gpu_batches > 1 or bool(parse_bytes(self.device_memory)))
+
+
 ALL_TO_ALL = ("flat", "hierarchical", "pcc", "pcc+hierarchical")
 
 
@@ -120,7 +155,7 @@ class GenerateSection:
 
 
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "schedule": ScheduleSection, "moe": MoESection,
-            "runtime": RuntimeSection, "generate": GenerateSection}
+            "offload": OffloadSection, "runtime": RuntimeSection, "generate": GenerateSection}
 REQUIRED_SECTIONS = ("model", "generate")
 
 
@@ -131,6 +166,7 @@ class Config:
     parallel: ParallelSection
     schedule: ScheduleSection
     moe: MoESection
+    offload: OffloadSection
     runtime: RuntimeSection
     generate: GenerateSection
 
@@ -181,6 +217,7 @@ def _build(path: str, raw: dict) -> Config:
     if config.runtime.comm == "nccl" and config.runtime.backend == "numpy":
         raise ConfigError(f"{path}: runtime.comm = 'nccl' needs device arrays; use backend = \"cupy\" (or \"auto\" "
                           f"on a GPU), or comm = \"mpi\"")
+    _check_offload(path, config)
     batch = config.generate.batch_size
     for key in ("prompt_micro_batches", "gen_micro_batches"):
         value = getattr(config.schedule, key)
@@ -192,6 +229,23 @@ def _build(path: str, raw: dict) -> Config:
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _check_offload(path: str, config) -> None:
+    off = config.offload
+    for a, b in (("weights_gpu", "weights_cpu"), ("cache_gpu", "cache_cpu"), ("act_gpu", "act_cpu")):
+        if getattr(off, a) + getattr(off, b) > 100:
+            raise ConfigError(f"{path}: offload.{a} + offload.{b} = {getattr(off, a) + getattr(off, b)} is above "
+                              f"100 (percent)")
+    if off.weights_gpu + off.weights_cpu < 100 and off.disk_dir is None:
+        raise ConfigError(f"{path}: offload.weights_gpu + weights_cpu < 100 puts weights on disk: set "
+                          f"offload.disk_dir")
+    if off.active and config.parallel.pp > 1:
+        raise ConfigError(f"{path}: [offload] streams the layers of one pipeline stage; use pp = 1 with it")
+    if off.gpu_batch_size and off.gpu_batch_size * off.num_gpu_batches != config.generate.batch_size:
+        raise ConfigError(f"{path}: offload.gpu_batch_size * num_gpu_batches = "
+                          f"{off.gpu_batch_size * off.num_gpu_batches} must equal [generate] batch_size = "
+                          f"{config.generate.batch_size} (the block)")
 
 
 def parse_bytes(value) -> int:

@@ -20,6 +20,8 @@ from .generate.sampling import SamplingParams
 from .generate.schedule import micro_batches
 from .generate.tokenizer import TextTokenizer
 from .metrics import summarize
+from .offload.budget import check_budgets
+from .offload.zigzag import run_block_zigzag
 from .parallel.layout import check_experts, check_tensor_parallel
 from .parallel.stages import partition_layers
 
@@ -55,6 +57,8 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
         tokenizer = TextTokenizer.from_checkpoint(ckpt)
         prompts = load_prompts(config.generate.prompts, ckpt.arch, tokenizer)
         _check_kv_offload(config, ckpt.arch, stages, prompts, world_size, ranks_per_node)
+        if config.offload.active:
+            check_budgets(ckpt.arch, config, stages, [len(p.tokens) for p in prompts])
         if rank == 0:
             _check_writable(config.generate.output, "[generate] output")
             if config.generate.metrics:
@@ -132,11 +136,31 @@ def generate_share(model, job: Job, mesh, link) -> tuple[StepTimes, list]:
         if lockstep is None and b % dp != dp_index:
             continue
         indices = list(batch) if lockstep is None else [int(i) for i in np.array_split(list(batch), dp)[dp_index]]
-        outputs = generate_batch(model, [job.prompts[i].tokens for i in indices], indices, params, times,
-                                 schedule, link, lockstep=lockstep, batch_size=len(batch))
+        prompts = [job.prompts[i].tokens for i in indices]
+        if job.config.offload.active:
+            outputs = _offloaded_batch(model, prompts, indices, params, times, job.config.offload)
+        else:
+            outputs = generate_batch(model, prompts, indices, params, times, schedule, link, lockstep=lockstep,
+                                     batch_size=len(batch))
         if outputs is not None:
             results += [(i, tokens, reason) for i, (tokens, reason) in zip(indices, outputs)]
+    if model.weights is not None:
+        times.weights_peak_device_bytes = model.weights.peak_bytes
+        times.weights_bytes_from_host = model.weights.bytes_from_host
+        times.weights_bytes_from_disk = model.weights.bytes_from_disk
+        model.weights.close()
     return times, results
+
+
+def _offloaded_batch(model, prompts, indices, params, times, offload) -> list:
+    """One batch = one block: the zig-zag schedule over its GPU batches, or row by row (each GPU batch through
+    all its token steps, streaming every layer each step)."""
+    if offload.schedule == "zigzag":
+        return run_block_zigzag(model, prompts, indices, params, times, offload)
+    outputs = []
+    for group in micro_batches(len(prompts), offload.num_gpu_batches):
+        outputs += generate_batch(model, [prompts[i] for i in group], [indices[i] for i in group], params, times)
+    return outputs
 
 
 def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> None:

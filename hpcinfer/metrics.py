@@ -71,6 +71,11 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
             "bubble_fraction": float(np.mean([s["bubble_fraction"] for s in stages])),
             "stages": stages,
         },
+        "offload": {
+            "weights_peak_device_bytes_per_rank": max(r.times.weights_peak_device_bytes for r in reports),
+            "weights_bytes_from_host": sum(r.times.weights_bytes_from_host for r in reports),
+            "weights_bytes_from_disk": sum(r.times.weights_bytes_from_disk for r in reports),
+        },
         "kv_cache": {
             "peak_device_bytes_per_rank": max(r.times.kv_peak_device_bytes for r in reports),
             "offloaded_bytes_to_host": sum(r.times.kv_bytes_to_host for r in reports),

@@ -22,6 +22,7 @@ from .config import load_config
 from .errors import HpcinferError
 from .job import RankReport, generate_share, prepare_job, write_outputs
 from .model.transformer import Decoder
+from .offload.tiers import WeightTiers, place_layers
 
 
 class AgreedError(Exception):
@@ -96,7 +97,9 @@ def _run(world, config_path: str, overrides: list[str]) -> None:
     t0 = time.perf_counter()
     stage = job.stages[mesh.coords[0]]
     with job.ckpt as ckpt:
-        model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor).load(ckpt)
+        model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor)
+        model.weights = _weight_tiers(config, model, ops, rank)
+        model.load(ckpt, after_block=model.weights.place if model.weights is not None else None)
     load_s = time.perf_counter() - t0
     _injected_fault(rank)
 
@@ -118,6 +121,16 @@ def _groups(config, mesh, wrap) -> Groups:
     moe = MoELayout(par.ep, par.expert_tp, config.moe.all_to_all, mesh.node_size_in(mesh.stage_members()),
                     mesh.node_size_in(mesh.dp_members()))
     return Groups(tp=wrap(mesh.tp), pp=wrap(mesh.pp), stage=wrap(mesh.stage), dp=wrap(mesh.dp), moe=moe)
+
+
+def _weight_tiers(config, model, ops, rank: int):
+    """The offload tiers of this rank's layers, when [offload] is active (docs/offload.md)."""
+    off = config.offload
+    if not off.active:
+        return None
+    tiers = place_layers(model.num_local_layers, off.weights_gpu, off.weights_cpu)
+    disk_dir = os.path.join(off.disk_dir, f"rank{rank:05d}") if off.disk_dir else None
+    return WeightTiers(ops, model.blocks, tiers, disk_dir, off.prefetch_layers)
 
 
 def _injected_fault(rank: int) -> None:

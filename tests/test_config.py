@@ -175,7 +175,7 @@ def test_unknown_section(write):
     path = write(render() + "[generation]\nseed = 1\n")
     message = config_error(path)
     assert path in message and "unknown section [generation]" in message
-    assert "model, parallel, schedule, moe, runtime, generate" in message
+    assert "model, parallel, schedule, moe, offload, runtime, generate" in message
 
 
 @pytest.mark.parametrize("missing", ["model", "generate"])

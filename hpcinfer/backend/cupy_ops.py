@@ -5,9 +5,11 @@ CuPy has no bfloat16 dtype, so a bfloat16 array lives on the device as uint16 ho
 a float32) and is widened by a 16-bit shift; `asarray` takes ml_dtypes bfloat16 host arrays, `to_host` gives them
 back. On the device, uint16 always means bfloat16 bits.
 
-This module imports without cupy: cupy is imported when a CupyOps is built. Ops written as plain CuPy array code
-are marked "TODO kernel" where a cuda_src/ kernel is to replace them (the kernel must then match this code, and
-tests/test_cupy_ops.py holds both to NumpyOps).
+This module imports without cupy: cupy is imported when a CupyOps is built. Each op launches its cuda_src/ kernel
+(through hpcinfer/kernels/loader.py) when the kernel file exists and `kernels=True`, after checking layout, dtype and
+the kernel's preconditions; otherwise (and with `kernels=False`) it runs as plain CuPy array code, which stays as
+the fallback and as a second reference: tests/test_cupy_ops.py holds both paths to NumpyOps. "TODO kernel" marks
+the ops with no kernel wired yet.
 
 Routing tables (`route`) stay on the host: parallel/moe_dispatch.py and parallel/experts.py index and sort them
 with NumPy. `permute`, `unpermute` and `scatter_add_rows` accept host or device index arrays.
@@ -55,6 +57,22 @@ def _is_bf16(dtype) -> bool:
     return dtype is not None and np.dtype(dtype).name == "bfloat16"
 
 
+def _c_type(dtype) -> str | None:
+    """The kernels' T_STORAGE for a device dtype (uint16 holds bfloat16 bits); None for any other dtype."""
+    return {"float32": "float", "float16": "__half", "uint16": "__nv_bfloat16"}.get(np.dtype(dtype).name)
+
+
+@cache
+def _kernel_file_exists(name: str) -> bool:
+    from ..kernels.loader import CUDA_SRC
+
+    return (CUDA_SRC / f"{name}.cu").is_file()
+
+
+_i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
+_ACT_CODES = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}     # common.cuh ACT_*
+
+
 @dataclass(frozen=True)
 class DeviceStep(StepLayout):
     """A decode step whose slots and starts also live in device buffers, with a fixed number of cached positions
@@ -73,7 +91,7 @@ class CupyOps:
 
     name = "cupy"
 
-    def __init__(self, device: int | None = None):
+    def __init__(self, device: int | None = None, kernels: bool = True):
         cupy = _import_cupy()
         if cupy is None:
             raise ConfigError("[runtime] backend = \"cupy\" needs cupy: pip install -e '.[gpu]' (cupy-cuda12x, or "
@@ -88,6 +106,8 @@ class CupyOps:
             self.device_id = int(device) % cupy.cuda.runtime.getDeviceCount()
             cupy.cuda.Device(self.device_id).use()
         self.k = _elementwise_kernels(cupy)
+        self.kernels = kernels               # launch cuda_src/ kernels where they exist (False: plain CuPy only)
+        self._sm_count = None
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
@@ -136,13 +156,32 @@ class CupyOps:
         return y
 
     def embedding(self, table, ids):
-        """table [V, D], ids [T] (host or device ints) -> [T, D] float32.  TODO kernel: embedding."""
-        rows = table[self.xp.asarray(ids)]
-        return self._f32(rows)
+        """table [V, D], ids [T] (host or device ints) -> [T, D] float32. Kernel: embedding.cu."""
+        cp = self.xp
+        ids = cp.ascontiguousarray(cp.asarray(ids, dtype=np.int64))
+        storage = _c_type(table.dtype)
+        fn = self._kernel("embedding", "embedding", T_STORAGE=storage, T_ACT="float", BLOCK=256) if storage else None
+        if fn is None or table.ndim != 2 or ids.ndim != 1:
+            return self._f32(table[ids])
+        table = cp.ascontiguousarray(table)
+        (V, D), T = table.shape, ids.shape[0]
+        out = cp.empty((T, D), dtype=F32)
+        if T:
+            fn((T,), (256,), (table, ids, out, _i32(T), _i32(D), _i64(0), _i64(V), _i64(D)))
+        return out
 
     def layer_norm(self, x, weight, bias, eps: float):
-        """TODO kernel: layer_norm (and the fused norm + GEMV of Deep-Fusion region 1/3)."""
+        """Kernel: layer_norm.cu (TODO kernel: the fused norm + GEMV of Deep-Fusion regions 1 and 3)."""
         cp = self.xp
+        has_bias = bias is not None
+        fn = self._kernel("layer_norm", "layer_norm", BLOCK=256, HAS_BIAS=int(has_bias))
+        if fn is not None and self._row_op_ok(x, weight, bias):
+            x, ldx = self._rows(x)
+            y = cp.empty(x.shape, dtype=F32)
+            if x.shape[0]:
+                fn((x.shape[0],), (256,), (x, weight, bias if has_bias else weight, y, _i32(x.shape[1]), _i64(ldx),
+                                           _i64(x.shape[1]), _f32c(eps)))
+            return y
         mean = x.mean(axis=-1, keepdims=True)
         centered = x - mean
         var = cp.mean(centered * centered, axis=-1, keepdims=True)
@@ -153,20 +192,45 @@ class CupyOps:
         return y
 
     def rms_norm(self, x, weight, eps: float):
-        """TODO kernel: rms_norm."""
+        """Kernel: rms_norm.cu."""
         cp = self.xp
+        fn = self._kernel("rms_norm", "rms_norm", BLOCK=256)
+        if fn is not None and self._row_op_ok(x, weight):
+            x, ldx = self._rows(x)
+            y = cp.empty(x.shape, dtype=F32)
+            if x.shape[0]:
+                fn((x.shape[0],), (256,), (x, weight, y, _i32(x.shape[1]), _i64(ldx), _i64(x.shape[1]),
+                                           _f32c(eps)))
+            return y
         ms = cp.mean(x * x, axis=-1, keepdims=True)
         return x * (1.0 / cp.sqrt(ms + eps)).astype(F32) * weight
 
     def activation(self, x, kind: str):
-        """Elementwise CuPy kernels with the spec's formulas (gelu in float64 as NumPy computes it).
-        TODO kernel: activation (fused with bias in Deep-Fusion region 3)."""
-        return self._activation_kernel(kind)(x)
+        """Kernel: activation.cu; fallback: CuPy elementwise kernels with the spec's formulas (gelu in float64, as
+        NumPy computes it)."""
+        fallback = self._activation_kernel(kind)
+        fn = self._kernel("activation", "activation", ACT=_ACT_CODES[kind], BLOCK=256)
+        if fn is None or x.dtype != F32:
+            return fallback(x)
+        x = self.xp.ascontiguousarray(x)
+        y = self.xp.empty(x.shape, dtype=F32)
+        if x.size:
+            fn((self._grid(x.size, 256),), (256,), (x, y, _i64(x.size)))
+        return y
 
     def gated_activation(self, gate_up, kind: str):
-        """gate_up [T, 2F] (gate half first) -> act(gate) * up  [T, F]."""
+        """gate_up [T, 2F] (gate half first) -> act(gate) * up  [T, F]. Kernel: activation.cu."""
         f = gate_up.shape[-1] // 2
-        return self._gated_kernel(kind)(gate_up[:, :f], gate_up[:, f:])
+        fallback = self._gated_kernel(kind)
+        fn = self._kernel("activation", "gated_activation", ACT=_ACT_CODES[kind], BLOCK=256)
+        if fn is None or gate_up.dtype != F32 or gate_up.ndim != 2:
+            return fallback(gate_up[:, :f], gate_up[:, f:])
+        gate_up, ld = self._rows(gate_up)
+        T = gate_up.shape[0]
+        y = self.xp.empty((T, f), dtype=F32)
+        if T * f:
+            fn((self._grid(T * f, 256),), (256,), (gate_up, y, _i32(T), _i32(f), _i64(ld), _i64(f)))
+        return y
 
     def _activation_kernel(self, kind: str):
         if kind not in _ACTIVATIONS:
@@ -180,8 +244,18 @@ class CupyOps:
 
     def rotary(self, x, cos, sin, rotary_dim: int):
         """Half-split rotation of the first rotary_dim dims of each head. x [T, heads, hd]; cos, sin [T, rd/2].
-        TODO kernel: rotary."""
+        Kernel: rotary.cu."""
         cp = self.xp
+        fn = self._kernel("rotary", "rotary", BLOCK=128)
+        if fn is not None and x.dtype == F32 and x.ndim == 3 and cos.dtype == F32 and sin.dtype == F32:
+            x, ldx = self._rows(x)
+            cos, sin = cp.ascontiguousarray(cos), cp.ascontiguousarray(sin)
+            T, heads, hd = x.shape
+            y = cp.empty(x.shape, dtype=F32)
+            if T:
+                fn((T,), (128,), (x, cos, sin, y, _i32(heads), _i32(hd), _i32(rotary_dim), _i64(ldx),
+                                  _i64(heads * hd)))
+            return y
         half = rotary_dim // 2
         part = x[..., :rotary_dim]
         swapped = cp.concatenate([part[..., half:], part[..., :half]], axis=-1)         # [T, heads, rd]
@@ -196,16 +270,35 @@ class CupyOps:
     def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd].
-        TODO kernel: decode_attention (append fused) and prefill_attention."""
+        Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu."""
         cp = self.xp
         if step.num_tokens == 0:
             return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
+        self._check_cache(cache_k, cache_v)
+        if int((step.starts + step.counts).max()) > cache_k.shape[2]:
+            raise ValueError(f"attention: positions up to {int((step.starts + step.counts).max())} do not fit a "
+                             f"cache of {cache_k.shape[2]}")
+        heads, kv_heads, hd = q.shape[1], cache_k.shape[1], q.shape[2]
+        kernel_shapes = (q.dtype == k.dtype == v.dtype == F32 and heads % kv_heads == 0 and hd <= 128)
         if step.is_decode:
             slots, starts, L = self._decode_indices(step, cache_k.shape[2])
-            self._check_cache(cache_k, cache_v)
+            fn = self._kernel("decode_attention", "decode_attention", NWARPS=4, MAX_HEAD_DIM=128, MAX_GROUP=8)
+            if fn is not None and kernel_shapes and heads // kv_heads <= 8:
+                (q, ldq), (k, ldk), (v, ldv) = self._rows(q), self._rows(k), self._rows(v)
+                S = q.shape[0]
+                out = cp.empty((S, heads * hd), dtype=F32)
+                fn((kv_heads, S), (32, 4), (q, k, v, cache_k, cache_v, slots, starts, out, _i32(heads),
+                                            _i32(kv_heads), _i32(hd), _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk),
+                                            _i64(ldv), _i64(heads * hd), _f32c(scale)))
+                return out
             self.k.kv_append(cp.ascontiguousarray(k, dtype=F32), cp.ascontiguousarray(v, dtype=F32), slots, starts,
                              cache_k.shape[1], cache_k.shape[2], cache_k.shape[3], cache_k, cache_v, size=k.size)
             return self._decode_attention(q, cache_k, cache_v, slots, starts, L, step, scale)
+        append = self._kernel("kv_append", "kv_append", BLOCK=128)
+        attend = self._kernel("prefill_attention", "prefill_attention", NWARPS=4, ROWS_PER_WARP=4,
+                              MAX_HEAD_DIM=128, KT=32)
+        if append is not None and attend is not None and kernel_shapes and heads // kv_heads <= 16:
+            return self._prefill_kernels(append, attend, q, k, v, cache_k, cache_v, step, scale)
         out = cp.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
         for s in range(step.num_seqs):
             a, b = step.token_range(s)
@@ -213,6 +306,23 @@ class CupyOps:
             cache_k[slot, :, start:start + b - a] = k[a:b].transpose(1, 0, 2)
             cache_v[slot, :, start:start + b - a] = v[a:b].transpose(1, 0, 2)
             out[a:b] = self._causal_attention(q[a:b], cache_k[slot], cache_v[slot], start, scale)
+        return out
+
+    def _prefill_kernels(self, append, attend, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
+        """kv_append then prefill_attention over packed sequences (offsets [S+1] on the device)."""
+        cp = self.xp
+        heads, kv_heads, hd, lmax = q.shape[1], cache_k.shape[1], q.shape[2], cache_k.shape[2]
+        S, most = step.num_seqs, int(step.counts.max())
+        slots, starts = cp.asarray(step.slots, dtype=np.int64), cp.asarray(step.starts, dtype=np.int64)
+        offsets = cp.asarray(step.offsets, dtype=np.int64)                              # [S + 1]
+        (q, ldq), (k, ldk), (v, ldv) = self._rows(q), self._rows(k), self._rows(v)
+        append((most, S), (128,), (k, v, cache_k, cache_v, slots, starts, offsets, _i32(kv_heads), _i32(hd),
+                                   _i32(lmax), _i64(ldk), _i64(ldv)))
+        out = cp.empty((q.shape[0], heads * hd), dtype=F32)
+        per_block = 16 // (heads // kv_heads)                                           # (NWARPS * ROWS_PER_WARP) / g
+        attend((kv_heads, -(-most // per_block), S), (32, 4),
+               (q, cache_k, cache_v, slots, starts, offsets, out, _i32(heads), _i32(kv_heads), _i32(hd), _i32(lmax),
+                _i64(ldq), _i64(heads * hd), _f32c(scale)))
         return out
 
     @staticmethod
@@ -270,7 +380,7 @@ class CupyOps:
 
     def top_k_gating(self, logits, k: int, normalize: str):
         """logits [T, E] -> (experts [T, K] int64, weights [T, K] float32), on the device; same order and ties
-        (lower expert first) as moe_ops.top_k_gating.  TODO kernel: moe_gating."""
+        (lower expert first) as moe_ops.top_k_gating. Kernel: moe_gating.cu's moe_topk_gating."""
         cp = self.xp
         if logits.ndim != 2:
             raise ValueError(f"top_k_gating: logits must be [tokens, experts], got shape {logits.shape}")
@@ -279,6 +389,15 @@ class CupyOps:
             raise ValueError(f"top_k_gating: top-k = {k} must be between 1 and the number of experts ({experts})")
         if normalize not in moe_ops.NORMALIZE:
             raise ValueError(f"top_k_gating: normalize = {normalize!r}, expected one of {moe_ops.NORMALIZE}")
+        fn = self._kernel("moe_gating", "moe_topk_gating", MAX_EXPERTS=256, NWARPS=8)
+        if fn is not None and experts <= 256 and logits.dtype == F32:
+            logits, ld = self._rows(logits)
+            chosen = cp.empty((tokens, k), dtype=np.int64)
+            weights = cp.empty((tokens, k), dtype=F32)
+            if tokens:
+                fn((-(-tokens // 8),), (32, 8), (logits, chosen, weights, _i32(tokens), _i32(experts), _i32(k),
+                                                 _i64(ld), _i32(normalize == "topk")))
+            return chosen, weights
         probs = self.softmax(logits)                                                  # [T, E]
         remaining = probs.copy()
         rows = cp.arange(tokens)
@@ -298,12 +417,13 @@ class CupyOps:
         return moe_ops.route(self.to_host(experts), self.to_host(weights), num_experts, capacity)
 
     def permute(self, x, routing):
-        """x [T, D] -> rows [R, D] grouped by expert (a gather)."""
+        """x [T, D] -> rows [R, D] grouped by expert (a gather: CuPy's take; moe_permute would need the row count on
+        the device, which a host Routing does not have)."""
         return x[self.xp.asarray(routing.token_of_row)]
 
     def unpermute(self, rows, routing, tokens: int):
         """rows [R, D] -> out [T, D]: per token, the sum over its kept choices (in choice order) of weight * row;
-        dropped choices add nothing. A gather per choice, no atomics, as the spec."""
+        dropped choices add nothing. A gather per choice, no atomics, as the spec. Kernel: moe_unpermute."""
         cp = self.xp
         if tokens != routing.slot.shape[0]:
             raise ValueError(f"unpermute: tokens = {tokens} but the routing is for {routing.slot.shape[0]} tokens")
@@ -312,8 +432,16 @@ class CupyOps:
         out = cp.zeros((tokens,) + rows.shape[1:], dtype=np.result_type(rows.dtype, F32))     # [T, D]
         if routing.num_rows == 0:
             return out
-        row_of_choice = cp.asarray(routing.row_of_choice)                             # [T, K]
-        weight_of_row = cp.asarray(routing.weight_of_row)                             # [R]
+        row_of_choice = cp.ascontiguousarray(cp.asarray(routing.row_of_choice, dtype=np.int64))   # [T, K]
+        weight_of_row = cp.ascontiguousarray(cp.asarray(routing.weight_of_row, dtype=F32))       # [R]
+        fn = self._kernel("moe_gating", "moe_unpermute", MAX_EXPERTS=256, BLOCK=256)
+        if fn is not None and rows.dtype == F32 and tokens:
+            flat, ld = self._rows(rows.reshape(rows.shape[0], -1))                     # [R, D']
+            width = flat.shape[1]
+            out = out.reshape(tokens, width)
+            fn((tokens,), (256,), (flat, row_of_choice, weight_of_row, out, _i32(tokens),
+                                   _i32(row_of_choice.shape[1]), _i32(width), _i64(ld), _i64(width)))
+            return out.reshape((tokens,) + rows.shape[1:])
         trailing = (1,) * (rows.ndim - 1)
         for choice in range(row_of_choice.shape[1]):
             row = row_of_choice[:, choice]                                            # [T]
@@ -332,6 +460,41 @@ class CupyOps:
     # ---- sampling helpers ----------------------------------------------------------------------------------
     def argmax(self, logits):
         return self.xp.argmax(logits, axis=-1)
+
+    # ---- kernel launch helpers ----------------------------------------------------------------------------
+    def _kernel(self, name: str, function: str, **defines):
+        """The RawKernel of cuda_src/{name}.cu, or None when kernels are off or that file does not exist (a compile
+        error is raised, not hidden)."""
+        if not self.kernels or not _kernel_file_exists(name):
+            return None
+        from ..kernels.loader import kernel
+
+        return kernel(name, function, {"T_STORAGE": "float", "T_ACT": "float", **defines})
+
+    def _rows(self, a):
+        """(a, ld): `a` with its trailing dims contiguous (copied only when they are not) and the distance between
+        its rows in elements, as the kernels take them."""
+        item, expected = a.itemsize, a.itemsize
+        ok = a.strides[0] >= 0 and a.strides[0] % item == 0
+        for dim in range(a.ndim - 1, 0, -1):
+            ok = ok and (a.shape[dim] == 1 or a.strides[dim] == expected)
+            expected *= a.shape[dim]
+        if not ok:
+            a = self.xp.ascontiguousarray(a)
+        row = expected // item
+        return a, (a.strides[0] // item if a.shape[0] > 1 else row)
+
+    def _row_op_ok(self, x, *params) -> bool:
+        """x [T, D] float32 and each given parameter a contiguous float32 [D] (norm weights and biases)."""
+        if x.ndim != 2 or x.dtype != F32:
+            return False
+        return all(p is None or (p.dtype == F32 and p.shape == (x.shape[1],) and p.flags.c_contiguous) for p in params)
+
+    def _grid(self, work: int, block: int) -> int:
+        """Blocks for a grid-stride loop: enough for the work, capped at 32 waves of the device's SMs."""
+        if self._sm_count is None:
+            self._sm_count = self.xp.cuda.Device().attributes["MultiProcessorCount"]
+        return max(1, min(-(-work // block), 32 * self._sm_count))
 
 
 def _softmax(cp, scores):

@@ -42,6 +42,15 @@ class Sequence:
         return len(self.prompt) + len(self.generated)
 
 
+def record_token(seq: Sequence, token: int, eos: set, max_new_tokens: int) -> None:
+    """Append a sampled token and decide whether the sequence stops (EOS, max_new_tokens, or out of positions)."""
+    seq.generated.append(token)
+    if token in eos:
+        seq.finish_reason = "stop"
+    elif len(seq.generated) >= max_new_tokens or seq.length >= seq.capacity:
+        seq.finish_reason = "length"
+
+
 @dataclass
 class StepTimes:
     """What one rank measured over the batches it ran (summed over batches)."""
@@ -55,6 +64,9 @@ class StepTimes:
     kv_bytes_to_host: int = 0
     kv_bytes_to_device: int = 0
     kv_peak_device_bytes: int = 0
+    weights_peak_device_bytes: int = 0     # offloaded weights: resident + streamed layers at the peak
+    weights_bytes_from_host: int = 0
+    weights_bytes_from_disk: int = 0
 
 
 def generate_batch(model, prompts: list, indices: list, params: GenerationParams, times: StepTimes,

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..backend.ops import StepLayout
 from ..comm.mappings import broadcast_from_tp_root
-from .engine import GenerationParams, ScheduleParams, Sequence, StepTimes
+from .engine import GenerationParams, ScheduleParams, Sequence, StepTimes, record_token
 from .kv_cache import KVCache
 from .sampling import sample, sequence_rng
 from .schedule import gen_ready_order, micro_batches
@@ -183,11 +183,7 @@ class _StageRunner:
             self.prompt_phase_s = time.perf_counter() - self.start
 
     def _record(self, seq: Sequence, token: int) -> None:
-        seq.generated.append(token)
-        if token in self.eos:
-            seq.finish_reason = "stop"
-        elif len(seq.generated) >= self.params.max_new_tokens or seq.length >= seq.capacity:
-            seq.finish_reason = "length"
+        record_token(seq, token, self.eos, self.params.max_new_tokens)
 
     def _return_tokens(self, g: int, ids: list, prompt: bool) -> None:
         alive = sum(1 for i in self.gen_groups[g] if self.seqs[i].finish_reason is None)

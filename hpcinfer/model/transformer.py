@@ -51,6 +51,7 @@ class Decoder:
         self.rope = (RotaryTable(ops, arch.rotary_dim, arch.rope_theta, arch.max_positions)
                      if arch.position == "rotary" else None)
         self.blocks = [Block(ops, groups, arch, i, dtype, capacity_factor) for i in self.stage.layers]
+        self.weights = None                                   # a WeightTiers when weights are offloaded
         self.final_norm = Norm(ops, arch, "final_norm") if last else None
         self.lm_head = None
         if last:                                      # tied: the first stage's table, or the last stage's own copy
@@ -66,14 +67,19 @@ class Decoder:
     def num_local_layers(self) -> int:
         return len(self.blocks)
 
-    def load(self, ckpt):
-        """Read this rank's shard of the tensors of its stage."""
-        parts = [self.embed, self.positions, *self.blocks, self.final_norm]
+    def load(self, ckpt, after_block=None):
+        """Read this rank's shard of the tensors of its stage. `after_block(i)` runs once block i is loaded (the
+        offload tiers move its weights out before the next one is read)."""
+        parts = [self.embed, self.positions, self.final_norm]
         if self.lm_head is not self.embed:
             parts.append(self.lm_head)
         for part in parts:
             if part is not None:
                 part.load(ckpt)
+        for i, block in enumerate(self.blocks):
+            block.load(ckpt)
+            if after_block is not None:
+                after_block(i)
         return self
 
     def embed_tokens(self, tokens: np.ndarray, step):      # tokens [T] host ints -> x [T, D]
@@ -82,10 +88,20 @@ class Decoder:
             x += self.positions.value[step.positions]
         return x
 
+    def rope_for(self, step):
+        return self.rope(step.positions) if self.rope is not None else None
+
+    def run_layer(self, i: int, x, step, cache, rope):       # local layer i: x [T, D] -> [T, D]
+        return self.blocks[i](x, cache.layer_step(i, step), cache.k[i], cache.v[i], rope)
+
     def run_layers(self, x, step, cache):                     # x [T, D] -> [T, D]
-        rope = self.rope(step.positions) if self.rope is not None else None
-        for i, block in enumerate(self.blocks):
-            x = block(x, cache.layer_step(i, step), cache.k[i], cache.v[i], rope)
+        rope = self.rope_for(step)
+        for i in range(len(self.blocks)):
+            if self.weights is not None:                      # streamed weights (offload/tiers.py)
+                self.weights.fetch(i)
+            x = self.run_layer(i, x, step, cache, rope)
+            if self.weights is not None:
+                self.weights.release(i)
         return x
 
     def logits(self, x, step):                                # x [T, D] -> [S, V]: each sequence's last token

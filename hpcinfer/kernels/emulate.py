@@ -1,0 +1,145 @@
+"""Run the kernels of cuda_src/ on the CPU, on NumPy arrays, to check their logic against the NumPy ops with no GPU.
+
+`build(name, defines)` compiles cuda_src/{name}.cu with g++ and cuda_src/emu/cuda_emu.h forced in (blocks run in
+turn, one std::thread per CUDA thread, barriers for __syncthreads and warp shuffles) into a shared library, cached
+under build/kernel-emu/ by a hash of the sources, defines and flags; `module.launch(function, grid, block, *args)`
+runs one kernel. Arguments follow the kernel's C signature, read from the source: NumPy arrays (or None, a null
+pointer) for pointers, Python numbers for scalars.
+
+This checks indexing, reductions, masking, tails and the epilogues; it says nothing about speed, and it is no
+memory-model checker (a missing __syncthreads can pass here): the GPU parity tests and compute-sanitizer are the
+judges. Needs g++ (C++20) and CUDA toolkit headers (cuda_fp16.h with crt/host_defines.h, as nvcc has).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import re
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .loader import CUDA_SRC, define_options
+
+EMU_HEADER = CUDA_SRC / "emu" / "cuda_emu.h"
+BUILD_DIR = CUDA_SRC.parent / "build" / "kernel-emu"
+FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
+         "-ffp-contract=off",                     # no fused multiply-add: float results as IEEE operation by operation
+         "-fno-gnu-unique", "-fvisibility=hidden")  # each library keeps its own static (shared-memory) variables
+
+_SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+_SCALARS = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "long long": ctypes.c_longlong, "float": ctypes.c_float}
+_lock = threading.Lock()
+
+
+def toolkit_include() -> Path | None:
+    """A CUDA toolkit include directory whose cuda_fp16.h compiles as host C++ (nvcc's own, or /usr/local/cuda)."""
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for path in candidates:
+        if (path / "cuda_fp16.h").is_file() and (path / "crt" / "host_defines.h").is_file():
+            return path
+    return None
+
+
+def unavailable() -> str | None:
+    """Why kernels cannot be emulated here (None when they can)."""
+    if shutil.which("g++") is None:
+        return "g++ is not on the PATH"
+    if toolkit_include() is None:
+        return "no CUDA toolkit headers (cuda_fp16.h with crt/host_defines.h) next to nvcc or in /usr/local/cuda"
+    return None
+
+
+def signatures(name: str) -> dict[str, list[tuple[str, str]]]:
+    """{kernel: [(C type, parameter name), ...]} of the extern "C" kernels of cuda_src/{name}.cu."""
+    text = (CUDA_SRC / f"{name}.cu").read_text()
+    found = {}
+    for function, params in _SIGNATURE.findall(text):
+        typed = []
+        for param in params.split(","):
+            match = re.match(r"(.*?)(\w+)$", " ".join(param.split()))
+            typed.append((match.group(1).strip(), match.group(2)))
+        found[function] = typed
+    return found
+
+
+def _launchers(sigs) -> str:
+    """A C entry point per kernel: emu_launch_<kernel>(grid, block, void** args) unpacks the arguments by type."""
+    code = []
+    for function, params in sigs.items():
+        unpack = "\n".join(f"    {t} p{i} = *({t}*)a[{i}];" for i, (t, _) in enumerate(params))
+        call = ", ".join(f"p{i}" for i in range(len(params)))
+        code.append(
+            f'extern "C" __attribute__((visibility("default"))) void emu_launch_{function}(\n'
+            f"        unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, void** a) {{\n"
+            f"{unpack}\n"
+            f"    emu::launch(dim3(gx, gy, gz), dim3(bx, by, bz), [=] {{ {function}({call}); }});\n}}\n")
+    return "\n".join(code)
+
+
+class EmulatedModule:
+    def __init__(self, library: ctypes.CDLL, sigs, path: Path):
+        self.library, self.sigs, self.path = library, sigs, path
+
+    def launch(self, function: str, grid, block, *args) -> None:
+        params = self.sigs[function]
+        if len(args) != len(params):
+            raise TypeError(f"{function} takes {len(params)} arguments ({', '.join(p for _, p in params)}), "
+                            f"got {len(args)}")
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        values = []
+        slots = (ctypes.c_void_p * len(args))()
+        for i, ((ctype, pname), arg) in enumerate(zip(params, args)):
+            if ctype.endswith("*"):
+                if arg is not None and not isinstance(arg, np.ndarray):
+                    raise TypeError(f"{function}: argument {pname} ({ctype}) must be a NumPy array or None")
+                value = ctypes.c_void_p(None if arg is None else arg.ctypes.data)
+            else:
+                value = _SCALARS[ctype](arg)
+            values.append(value)
+            slots[i] = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
+        with _lock:   # the emulator's block state is per library, and launches are not reentrant
+            getattr(self.library, f"emu_launch_{function}")(*(ctypes.c_uint(v) for v in grid + block), slots)
+
+
+_modules: dict = {}
+
+
+def build(name: str, defines: dict | None = None) -> EmulatedModule:
+    """cuda_src/{name}.cu with `defines`, compiled for the CPU emulator (cached on disk and in this process)."""
+    reason = unavailable()
+    if reason:
+        raise RuntimeError(f"cannot emulate kernels: {reason}")
+    sigs = signatures(name)
+    code = f'#include "{name}.cu"\n\n{_launchers(sigs)}'
+    options = define_options(defines)
+    sources = [CUDA_SRC / f"{name}.cu", EMU_HEADER, *sorted(CUDA_SRC.glob("*.cuh"))]
+    digest = hashlib.sha256("\0".join([code, *options, *FLAGS, *(p.read_text() for p in sources)]).encode())
+    key = f"{name}-{digest.hexdigest()[:20]}"
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    library = BUILD_DIR / f"{key}.so"
+    if not library.exists():
+        cpp = BUILD_DIR / f"{key}.cpp"
+        cpp.write_text(code)
+        tmp = library.with_suffix(f".{threading.get_ident()}.tmp")
+        cmd = ["g++", *FLAGS, f"-I{toolkit_include()}", f"-I{CUDA_SRC}", "-include", str(EMU_HEADER), *options,
+               str(cpp), "-o", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"emulator build of {name}.cu failed:\n{' '.join(cmd)}\n{proc.stderr[-8000:]}")
+        tmp.replace(library)   # atomic: a concurrent build of the same key is harmless
+    module = EmulatedModule(ctypes.CDLL(str(library)), sigs, library)
+    _modules[key] = module
+    return module

@@ -1,0 +1,51 @@
+"""The memory plan of an offloaded run, checked against the byte budgets before any weight is read."""
+
+from __future__ import annotations
+
+from ..config import parse_bytes
+from ..errors import ConfigError
+from ..generate.kv_cache import kv_bytes_per_token
+from ..parallel.stages import layer_params
+from .tiers import place_layers
+
+
+def itemsize(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def plan_bytes(arch, config, stage, prompt_lengths: list) -> dict:
+    """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache."""
+    off, tp = config.offload, config.parallel.tp
+    size = itemsize(config.model.dtype)
+    layers = list(stage.layers)
+    per_layer = [layer_params(arch, i) * size // tp for i in layers]
+    tiers = place_layers(len(layers), off.weights_gpu, off.weights_cpu)
+    streamed = [b for b, t in zip(per_layer, tiers) if t != "device"]
+    window = (off.prefetch_layers + 1) * max(streamed, default=0)
+    copies = 1 if arch.tied_embeddings and stage.is_first and stage.is_last else stage.is_first + stage.is_last
+    tables = arch.vocab_size * arch.hidden_size * size // tp * copies
+    batch = config.generate.batch_size
+    max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
+    kv = batch * max_len * kv_bytes_per_token(arch.num_kv_heads // tp, arch.head_dim, len(layers))
+    kv_device = kv * off.cache_gpu / 100
+    return {
+        "device": sum(b for b, t in zip(per_layer, tiers) if t == "device") + window + tables + kv_device,
+        "host": sum(b for b, t in zip(per_layer, tiers) if t == "host") + kv - kv_device,
+        "disk": sum(b for b, t in zip(per_layer, tiers) if t == "disk"),
+        "parts": {"resident layers": sum(b for b, t in zip(per_layer, tiers) if t == "device"),
+                  "streaming window": window, "embedding tables": tables, "KV cache on the device": kv_device},
+    }
+
+
+def check_budgets(arch, config, stages, prompt_lengths: list) -> None:
+    off = config.offload
+    for stage in stages:
+        plan = plan_bytes(arch, config, stage, prompt_lengths)
+        for tier, key in (("device", "device_memory"), ("host", "host_memory")):
+            budget = parse_bytes(getattr(off, key))
+            if budget and plan[tier] > budget:
+                parts = ", ".join(f"{k} {int(v):,}" for k, v in plan["parts"].items()) if tier == "device" else \
+                    f"layers and KV cache in host memory {int(plan['host']):,}"
+                raise ConfigError(f"{config.path}: [offload] {key} = {budget:,} bytes cannot hold this plan: "
+                                  f"{int(plan[tier]):,} bytes needed on the {tier} ({parts}); lower weights_gpu "
+                                  f"/ cache_gpu, or raise the budget")

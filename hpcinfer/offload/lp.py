@@ -1,0 +1,313 @@
+"""FlexGen's policy search (Section 4.3, Eq. 1): enumerate (gpu_batch_size, num_gpu_batches), and for each solve a
+linear program for the nine placement fractions.
+
+The LP, for a fixed b = gpu_batch_size, k = num_gpu_batches (and a fixed cpu_attention, tried both ways):
+    variables   x = (wg, wc, wd, cg, cc, cd, hg, hc, hd) in [0, 1], T_pre >= 0, T_gen >= 0
+    minimize    L T_pre + L (n - 1) T_gen                     seconds per block = B n / throughput
+    subject to  T_pre >= term(x)  for each prefill term       (compute and the four links; overlap: the max)
+                T_gen >= term(x)  for each decode term        (no overlap: T >= the sum of the terms)
+                peak_device(x) <= device_memory, peak_host(x) <= host_memory, peak_disk(x) <= disk_memory
+                wg + wc + wd = 1,  cg + cc + cd = 1,  hg + hc + hd = 1
+                L T_pre + L (n - 1) T_gen <= max_latency      (when given; FlexGen: "extended to include
+                                                               latency constraints")
+The terms and peaks are cost_model's `Linear` expressions. Ties (e.g. I/O hidden under compute whatever the
+placement) are broken by a second LP: at the optimal time, minimize the sum of every term (the time with no
+overlap), which keeps data in the fastest tier that costs no throughput: the percentages stay intuitive.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.optimize import linprog
+
+from ..errors import ConfigError
+from ..model.arch import ModelArch
+from .cost_model import LINKS, TIERS, VARIABLES, CostModel, CostTerms, Prediction, evaluate
+from .policy import Policy, human_bytes
+from .profile import HardwareProfile
+
+NV = len(VARIABLES)                       # the nine fractions; then T_pre, T_gen
+GROUPS = ((0, 1, 2), (3, 4, 5), (6, 7, 8))   # weights, cache, activations: (gpu, cpu, disk)
+BUDGET_KEYS = {"device": "device_memory", "host": "host_memory", "disk": "disk_memory"}
+
+
+class PlacementError(ConfigError):
+    """No placement of this model fits the budgets (or meets max_latency); `tier` names what does not fit."""
+
+    def __init__(self, message: str, tier: str, tiers: tuple = ()):
+        super().__init__(message)
+        self.tier = tier                  # device | host | disk | device+host+disk | max_latency
+        self.tiers = tiers or (tier,)     # every tier whose budget alone, if larger, would make it fit
+
+
+def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_size: int, num_gpu_batches: int,
+                    profile: HardwareProfile, max_latency: float | None = None, *, cpu_attention: bool | None = None,
+                    schedule: str = "zigzag", prefetch_layers: int = 1, dtype: str = "float32",
+                    fixed: dict | None = None) -> tuple[Policy, Prediction]:
+    """The best placement for one block shape: (the policy with rounded percentages, its prediction).
+
+    cpu_attention None: solve with and without CPU delegation and keep the faster (without, on a tie).
+    fixed: Policy percentages to hold, e.g. {"cache_gpu": 100, "act_gpu": 100} (ZeRO-Inference keeps the cache
+    and activations on the device); the LP places the rest.
+    Raises PlacementError naming the tier that does not fit, or max_latency when only the latency does not.
+    """
+    model = CostModel(arch, prompt_len, gen_len, profile, dtype)
+    bounds = _bounds(fixed or {})
+    choices = (False, True) if cpu_attention is None else (bool(cpu_attention),)
+    best, first_error = None, None
+    for cpu in choices:
+        problem = _Problem(model.terms(gpu_batch_size, num_gpu_batches, cpu, schedule, prefetch_layers), profile,
+                           bounds)
+        x = problem.solve(max_latency)
+        if x is None:
+            first_error = first_error or problem.diagnose(max_latency, gpu_batch_size, num_gpu_batches)
+            continue
+        policy = _rounded_policy(x, problem, max_latency, gpu_batch_size, num_gpu_batches, cpu, schedule,
+                                 prefetch_layers)
+        prediction = evaluate(problem.terms, policy, profile)
+        if best is None or prediction.total_s < best[1].total_s * (1 - 1e-9):
+            best = (policy, prediction)
+    if best is None:
+        raise first_error
+    return best
+
+
+def search_policy(arch: ModelArch, prompt_len: int, gen_len: int, profile: HardwareProfile,
+                  max_latency: float | None = None, *, gpu_batch_sizes=None, num_gpu_batches=None,
+                  cpu_attention: bool | None = None, schedule: str = "zigzag", prefetch_layers: int = 1,
+                  dtype: str = "float32",
+                  fixed: dict | None = None) -> tuple[Policy, Prediction, list[tuple[Policy, Prediction]]]:
+    """FlexGen's two-level search: every (gpu_batch_size, num_gpu_batches) of the grid, the LP for each.
+
+    gpu_batch_sizes: default powers of two 1 .. 1024 (stopping at the first size that fits in no way, as larger
+    ones need more memory still); num_gpu_batches: default 1 .. 16 (FlexGen: "less than 20"); 1 only for the row
+    schedule, which gains nothing from more (each GPU batch reloads the weights).
+    Returns (best policy, its prediction, every feasible candidate as (policy, prediction), fastest first).
+    Raises the PlacementError of the smallest block when nothing fits.
+    """
+    sizes = list(gpu_batch_sizes) if gpu_batch_sizes is not None else [2**i for i in range(11)]
+    counts = list(num_gpu_batches) if num_gpu_batches is not None else list(range(1, 17))
+    if schedule == "row" and num_gpu_batches is None:
+        counts = [1]
+    candidates, first_error = [], None
+    for b in sorted(sizes):
+        errors = []
+        for k in sorted(counts):
+            try:
+                candidates.append(solve_placement(arch, prompt_len, gen_len, b, k, profile, max_latency,
+                                                  cpu_attention=cpu_attention, schedule=schedule,
+                                                  prefetch_layers=prefetch_layers, dtype=dtype, fixed=fixed))
+            except PlacementError as exc:
+                errors.append(exc)
+                first_error = first_error or exc
+                if exc.tier != "max_latency":
+                    break                              # more GPU batches only need more memory
+        if errors and errors[0].tier == "device" and not any(p.gpu_batch_size == b for p, _ in candidates):
+            break                                      # b fits in no way: a larger GPU batch needs more still
+    if not candidates:
+        raise first_error
+    candidates.sort(key=lambda c: (-c[1].throughput, c[1].latency_s))
+    best_policy, best_prediction = candidates[0]
+    return best_policy, best_prediction, candidates
+
+
+FIXABLE = {"weights_gpu": "wg", "weights_cpu": "wc", "weights_disk": "wd", "cache_gpu": "cg", "cache_cpu": "cc",
+           "cache_disk": "cd", "act_gpu": "hg", "act_cpu": "hc", "act_disk": "hd"}
+
+
+def _bounds(fixed: dict) -> list:
+    """Bounds of the nine fractions, fixed ones pinned; ValueError naming an unknown key or a bad percentage."""
+    bounds = [(0.0, 1.0)] * NV
+    for key, percent in fixed.items():
+        if key not in FIXABLE:
+            raise ValueError(f"cannot fix {key!r}; fixable: {', '.join(FIXABLE)}")
+        if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 <= percent <= 100:
+            raise ValueError(f"{key} must be a percentage in [0, 100], got {percent!r}")
+        i = VARIABLES.index(FIXABLE[key])
+        bounds[i] = (percent / 100, percent / 100)
+    return bounds
+
+
+# ---- the linear program ----------------------------------------------------------------------------------------
+
+class _Problem:
+    """The LP of one cost model (one block shape, one cpu_attention), on one machine, some fractions pinned."""
+
+    def __init__(self, terms: CostTerms, profile: HardwareProfile, bounds: list):
+        self.terms, self.profile, self.bounds = terms, profile, bounds
+
+    def rows(self, max_latency: float | None, relax: frozenset = frozenset()):
+        """A_ub, b_ub, A_eq, b_eq, bounds and the objective (11 variables), the tiers in `relax` dropped."""
+        terms, profile = self.terms, self.profile
+        L, n = terms.num_layers, terms.gen_len
+        a_ub, b_ub = [], []
+        for phase, col in ((terms.prefill, NV), (terms.decode, NV + 1)):
+            parts = [phase[link] for link in LINKS]
+            if not terms.overlap:
+                total = parts[0]
+                for part in parts[1:]:
+                    total = total + part
+                parts = [total]
+            for term in parts:                          # term(x) - T <= 0, scaled to O(1)
+                row = np.zeros(NV + 2)
+                row[:NV] = term.coef
+                row[col] = -1.0
+                scale = max(1.0, float(np.abs(row).max()), abs(term.const))
+                a_ub.append(row / scale)
+                b_ub.append(-term.const / scale)
+        for tier in TIERS:
+            if tier in relax:
+                continue
+            mem = terms.memory[tier]
+            budget = float(getattr(profile, BUDGET_KEYS[tier]))
+            row = np.zeros(NV + 2)
+            row[:NV] = mem.coef
+            scale = max(1.0, budget, float(np.abs(row).max()), abs(mem.const))
+            a_ub.append(row / scale)
+            b_ub.append((budget - mem.const) / scale)
+        objective = np.zeros(NV + 2)
+        objective[NV], objective[NV + 1] = L, L * (n - 1)
+        if max_latency is not None:
+            scale = max(1.0, float(max_latency))
+            a_ub.append(objective / scale)
+            b_ub.append(float(max_latency) / scale)
+        a_eq = np.zeros((3, NV + 2))
+        for i, group in enumerate(GROUPS):
+            a_eq[i, list(group)] = 1.0
+        bounds = list(self.bounds) + [(0.0, None)] * 2
+        return np.array(a_ub), np.array(b_ub), a_eq, np.ones(3), bounds, objective
+
+    def solve(self, max_latency: float | None, relax: frozenset = frozenset()) -> np.ndarray | None:
+        """The optimal fractions (9,), or None when infeasible. Two stages: least time, then least traffic."""
+        a_ub, b_ub, a_eq, b_eq, bounds, objective = self.rows(max_latency, relax)
+        first = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        if first.status == 2:
+            return None
+        if first.status != 0:
+            raise RuntimeError(f"linprog failed: {first.message}")
+        # Second stage: keep the optimal time (to a relative 1e-7), minimize the sum of all terms.
+        terms, tie = self.terms, np.zeros(NV + 2)
+        for phase, weight in ((terms.prefill, terms.num_layers),
+                              (terms.decode, terms.num_layers * (terms.gen_len - 1))):
+            for link in LINKS:
+                tie[:NV] += weight * np.asarray(phase[link].coef)
+        limit = first.fun * (1 + 1e-7) + 1e-12
+        scale = max(1.0, limit)
+        second = linprog(tie, A_ub=np.vstack([a_ub, objective / scale]), b_ub=np.append(b_ub, limit / scale),
+                         A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        x = second.x if second.status == 0 else first.x
+        return _clean(x[:NV])
+
+    def least_memory(self, tier: str) -> float:
+        """The least `tier` memory any placement needs while the other two tiers keep their budgets."""
+        a_ub, b_ub, a_eq, b_eq, bounds, _ = self.rows(None, frozenset({tier}))
+        objective = np.zeros(NV + 2)
+        objective[:NV] = self.terms.memory[tier].coef
+        result = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        return result.fun + self.terms.memory[tier].const if result.status == 0 else math.inf
+
+    def fastest(self) -> float:
+        """Seconds per block of the fastest placement that fits, ignoring max_latency."""
+        a_ub, b_ub, a_eq, b_eq, bounds, objective = self.rows(None)
+        return linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs").fun
+
+    def diagnose(self, max_latency: float | None, b: int, k: int) -> PlacementError:
+        """Which constraint makes the LP infeasible: relax each tier's budget in turn (then max_latency)."""
+        terms, profile = self.terms, self.profile
+        shape = f"gpu_batch_size={b} x num_gpu_batches={k} (block {b * k})"
+        if self.solve(None) is None:
+            # Tiers whose budget alone stands in the way, the cheapest to grow first: disk, host, device.
+            fixes = [t for t in reversed(TIERS) if self.solve(None, frozenset({t})) is not None]
+            if fixes:
+                needs = {t: self.least_memory(t) for t in fixes}
+                first, others = fixes[0], fixes[1:]
+                message = (f"does not fit: the {first} tier needs at least {human_bytes(needs[first])} for {shape} "
+                           f"(the rest offloaded as far as the other tiers allow) but {BUDGET_KEYS[first]} is "
+                           f"{human_bytes(getattr(profile, BUDGET_KEYS[first]))}")
+                if others:
+                    message += "; or else " + ", ".join(
+                        f"{BUDGET_KEYS[t]} >= {human_bytes(needs[t])} (now "
+                        f"{human_bytes(getattr(profile, BUDGET_KEYS[t]))})" for t in others)
+                return PlacementError(message, first, tuple(fixes))
+            zero = {v: 0.0 for v in VARIABLES}
+            buffers = sum(terms.memory[t](zero) for t in TIERS)
+            data = terms.memory["disk"]({v: (1.0 if v in ("wd", "cd", "hd") else 0.0) for v in VARIABLES})
+            budgets = sum(getattr(profile, BUDGET_KEYS[t]) for t in TIERS)
+            return PlacementError(
+                f"does not fit: the weights, KV cache and activations of {shape} ({human_bytes(data)}) and the "
+                f"working buffers ({human_bytes(buffers)}) exceed device + host + disk together "
+                f"({human_bytes(budgets)})", "device+host+disk")
+        return PlacementError(f"max_latency = {max_latency:g} s cannot be met by {shape}: the fastest placement "
+                              f"that fits takes {self.fastest():.4g} s", "max_latency")
+
+
+def _clean(x: np.ndarray) -> np.ndarray:
+    """Clip solver noise and renormalize each triple to sum to 1."""
+    x = np.where(np.abs(x) < 1e-9, 0.0, np.clip(x, 0.0, 1.0))
+    for group in GROUPS:
+        total = x[list(group)].sum()
+        x[list(group)] = x[list(group)] / total if total > 0 else (1.0, 0.0, 0.0)
+    return x
+
+
+# ---- rounding to printable percentages -------------------------------------------------------------------------
+
+def _rounded_policy(x: np.ndarray, problem: _Problem, max_latency: float | None, b: int, k: int,
+                    cpu_attention: bool, schedule: str, prefetch_layers: int) -> Policy:
+    """Round percentages as coarsely as still fits (and meets max_latency): whole percent, else 0.1, else 0.01.
+    At each unit: the nearest (largest remainder); else the device shares rounded down (the host takes the
+    difference); else the device and host shares rounded down (the disk takes it). Else the exact shares."""
+    exact = [tuple(100.0 * float(x[i]) for i in group) for group in GROUPS]
+    tries = [(rule, unit) for unit in (1.0, 0.1, 0.01) for rule in (_nearest, _floor_gpu, _floor_gpu_cpu)]
+    for rule, unit in tries + [(None, None)]:
+        if rule is None:                                 # exact shares: only trim float noise off the disk part
+            triples = [(g, min(c, 100.0 - g), max(0.0, 100.0 - g - c)) for g, c, _ in exact]
+        else:
+            triples = [tuple(v * unit for v in rule(tuple(p / unit for p in t), round(100 / unit)))
+                       for t in exact]
+        policy = Policy(gpu_batch_size=b, num_gpu_batches=k,
+                        weights_gpu=_tidy(triples[0][0]), weights_cpu=_tidy(triples[0][1]),
+                        cache_gpu=_tidy(triples[1][0]), cache_cpu=_tidy(triples[1][1]),
+                        act_gpu=_tidy(triples[2][0]), act_cpu=_tidy(triples[2][1]),
+                        cpu_attention=cpu_attention, prefetch_layers=prefetch_layers, schedule=schedule)
+        prediction = evaluate(problem.terms, policy, problem.profile)
+        if rule is None or _keeps(policy, problem.bounds) and prediction.fits and (
+                max_latency is None or prediction.total_s <= max_latency):
+            return policy
+    raise AssertionError("unreachable")
+
+
+def _tidy(percent: float) -> float:
+    """A whole percentage as an int (prints as 20, not 20.0); others rounded off float noise."""
+    value = round(float(percent), 9)
+    return int(value) if value == int(value) else value
+
+
+def _keeps(policy: Policy, bounds: list) -> bool:
+    """The rounded policy still holds every pinned fraction."""
+    x = policy.fractions()
+    return all(lo != hi or abs(x[v] - lo) < 1e-9 for v, (lo, hi) in zip(VARIABLES, bounds))
+
+
+def _nearest(triple: tuple, total: int) -> tuple:
+    """Whole units summing to `total`, by largest remainder."""
+    floors = [math.floor(v + 1e-9) for v in triple]
+    order = sorted(range(3), key=lambda i: triple[i] - floors[i], reverse=True)
+    for i in order[:max(0, total - sum(floors))]:
+        floors[i] += 1
+    return tuple(floors)
+
+
+def _floor_gpu(triple: tuple, total: int) -> tuple:
+    """The device share rounded down, the disk share to the nearest, the host share the rest."""
+    g = math.floor(triple[0] + 1e-9)
+    d = min(round(triple[2]), total - g)
+    return g, total - g - d, d
+
+
+def _floor_gpu_cpu(triple: tuple, total: int) -> tuple:
+    g = math.floor(triple[0] + 1e-9)
+    c = min(math.floor(triple[1] + 1e-9), total - g)
+    return g, c, total - g - c

@@ -1,0 +1,118 @@
+"""The offloading policy: FlexGen's `Policy` (flex_opt.py), with the schedule and the prefetch depth named.
+
+A policy fixes the block schedule (how many GPU batches share one load of each layer's weights) and where each
+kind of tensor lives: the weights at layer granularity (that share of every layer's tensors), the KV cache and
+the activations at tensor granularity (that share of every tensor's elements), as FlexGen Section 4.2 defines
+them. Percentages are of the whole; the disk tier holds the rest of each triple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("zigzag", "row")
+
+
+@dataclass(frozen=True)
+class Policy:
+    gpu_batch_size: int          # sequences computed together on the device (FlexGen's gbs)
+    num_gpu_batches: int         # GPU batches per block: block size = gpu_batch_size * num_gpu_batches
+    weights_gpu: float           # % of every layer's weights resident on the device
+    weights_cpu: float           # % in host memory; disk holds 100 - weights_gpu - weights_cpu
+    cache_gpu: float             # % of the KV cache on the device
+    cache_cpu: float             # % in host memory; disk holds the rest
+    act_gpu: float               # % of the activations (hidden states between layers) on the device
+    act_cpu: float               # % in host memory; disk holds the rest
+    cpu_attention: bool = False  # decode attention over host-resident cache runs on the host (FlexGen's CPU
+                                 # delegation): only q and the attention output cross the link, not the cache
+    prefetch_layers: int = 1     # layers fetched ahead of the one computing; 0 = no overlap of I/O and compute
+    schedule: str = "zigzag"     # zigzag: FlexGen's block schedule (Algorithm 1), weights loaded once per block;
+                                 # row: ZeRO-Inference / Accelerate, weights loaded once per GPU batch
+
+    def __post_init__(self):
+        for name in ("gpu_batch_size", "num_gpu_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.prefetch_layers, bool) or not isinstance(self.prefetch_layers, int) \
+                or self.prefetch_layers < 0:
+            raise ValueError(f"prefetch_layers must be an integer >= 0, got {self.prefetch_layers!r}")
+        for gpu, cpu in (("weights_gpu", "weights_cpu"), ("cache_gpu", "cache_cpu"), ("act_gpu", "act_cpu")):
+            for name in (gpu, cpu):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+                    raise ValueError(f"{name} must be a percentage in [0, 100], got {value!r}")
+            if getattr(self, gpu) + getattr(self, cpu) > 100 + 1e-9:
+                raise ValueError(f"{gpu} + {cpu} = {getattr(self, gpu) + getattr(self, cpu):g} must be <= 100 "
+                                 f"(the disk holds the rest)")
+        if not isinstance(self.cpu_attention, bool):
+            raise ValueError(f"cpu_attention must be true or false, got {self.cpu_attention!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+    # -- derived values --
+
+    @property
+    def block_size(self) -> int:
+        """Sequences of one block (FlexGen's bls): they share each load of a layer's weights (zig-zag)."""
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @property
+    def weights_disk(self) -> float:
+        return 100 - self.weights_gpu - self.weights_cpu
+
+    @property
+    def cache_disk(self) -> float:
+        return 100 - self.cache_gpu - self.cache_cpu
+
+    @property
+    def act_disk(self) -> float:
+        return 100 - self.act_gpu - self.act_cpu
+
+    def fractions(self) -> dict[str, float]:
+        """FlexGen's nine placement variables as fractions in [0, 1]: wg wc wd, cg cc cd, hg hc hd."""
+        return {"wg": self.weights_gpu / 100, "wc": self.weights_cpu / 100, "wd": self.weights_disk / 100,
+                "cg": self.cache_gpu / 100, "cc": self.cache_cpu / 100, "cd": self.cache_disk / 100,
+                "hg": self.act_gpu / 100, "hc": self.act_cpu / 100, "hd": self.act_disk / 100}
+
+    # -- output --
+
+    def to_toml_section(self, device_memory: int | None = None, host_memory: int | None = None) -> str:
+        """The policy as an `[offload]` TOML section (budgets in bytes, when known)."""
+        lines = ["[offload]",
+                 f'schedule = "{self.schedule}"',
+                 f"gpu_batch_size = {self.gpu_batch_size}",
+                 f"num_gpu_batches = {self.num_gpu_batches}            # block size {self.block_size}",
+                 f"weights_gpu = {_num(self.weights_gpu)}",
+                 f"weights_cpu = {_num(self.weights_cpu)}                # disk: {_num(self.weights_disk)}",
+                 f"cache_gpu = {_num(self.cache_gpu)}",
+                 f"cache_cpu = {_num(self.cache_cpu)}                  # disk: {_num(self.cache_disk)}",
+                 f"act_gpu = {_num(self.act_gpu)}",
+                 f"act_cpu = {_num(self.act_cpu)}                    # disk: {_num(self.act_disk)}",
+                 f"cpu_attention = {'true' if self.cpu_attention else 'false'}",
+                 f"prefetch_layers = {self.prefetch_layers}"]
+        for key, value in (("device_memory", device_memory), ("host_memory", host_memory)):
+            if value is not None:
+                lines.append(f"{key} = {int(value)}          # {human_bytes(value)}")
+        return "\n".join(_align_comments(lines)) + "\n"
+
+
+def _num(value: float) -> str:
+    """A percentage as TOML: an integer when it is one (20, not 20.0), else up to 2 decimals."""
+    rounded = round(float(value), 2)
+    return str(int(rounded)) if rounded == int(rounded) else f"{rounded:g}"
+
+
+def _align_comments(lines: list[str]) -> list[str]:
+    """Put every `# comment` of the section in one column."""
+    split = [line.split("#", 1) if " # " in line or "  #" in line else [line] for line in lines]
+    width = max((len(parts[0].rstrip()) for parts in split if len(parts) == 2), default=0)
+    return [parts[0] if len(parts) == 1 else f"{parts[0].rstrip():<{width}}  #{parts[1]}" for parts in split]
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units, as budgets are usually written: 16000000000 -> "16.0 GB"."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

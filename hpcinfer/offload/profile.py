@@ -1,0 +1,264 @@
+"""What the cost model needs to know about a machine: tier capacities, link bandwidths and compute rates.
+
+FlexGen Section 4.3 ("To use the cost model, we run profiling on the hardware ... and fit the hardware
+parameters") and its Table 6 constants: ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw, mm_flops, bmm_flops, cpu_flops.
+Here they are one number each (bytes/s or FLOP/s), measured by `measure` or taken from a preset, and kept in a
+flat TOML file (`hpcinfer profile --out FILE`, read back by `hpcinfer plan --profile FILE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import parse_bytes
+from ..errors import ConfigError
+from .policy import human_bytes
+
+MEMORY_FIELDS = ("device_memory", "host_memory", "disk_memory")
+RATE_FIELDS = ("host_to_device", "device_to_host", "disk_to_host", "host_to_disk",
+               "device_flops", "host_flops", "device_bandwidth", "host_bandwidth")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    device_memory: int           # bytes the device tier may hold (GPU memory; NumPy backend: compute arrays)
+    host_memory: int             # bytes the host tier may hold (pinned host memory on GPU systems)
+    disk_memory: int             # bytes the disk tier may hold (free space under [offload] disk_dir)
+    host_to_device: float        # bytes/s, host -> device copies (FlexGen's ctog_bdw)
+    device_to_host: float        # bytes/s, device -> host copies (gtoc_bdw)
+    disk_to_host: float          # bytes/s, disk reads (dtoc_bdw)
+    host_to_disk: float          # bytes/s, disk writes, fsync included (ctod_bdw)
+    device_flops: float          # FLOP/s of a large matmul on the device (mm_flops)
+    host_flops: float            # FLOP/s of a large matmul on the host (cpu_flops)
+    device_bandwidth: float      # bytes/s the device reads its memory at: decode attention over a device cache
+    host_bandwidth: float        # bytes/s the host reads its memory at: decode attention on the host
+    name: str = "custom"         # preset name, or where it was measured
+    notes: str = ""              # caveats of the measurement (e.g. a disk read served by the page cache)
+
+    def __post_init__(self):
+        for key in MEMORY_FIELDS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a number of bytes >= 0, got {value!r}")
+        for key in RATE_FIELDS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{key} must be a rate > 0, got {value!r}")
+
+    def with_budgets(self, device_memory: int | None = None, host_memory: int | None = None,
+                     disk_memory: int | None = None) -> "HardwareProfile":
+        """The same machine with some capacities replaced (None: keep)."""
+        changes = {k: int(v) for k, v in (("device_memory", device_memory), ("host_memory", host_memory),
+                                          ("disk_memory", disk_memory)) if v is not None}
+        return dataclasses.replace(self, **changes)
+
+    def to_toml(self) -> str:
+        """A flat TOML document (read back by `load_profile`)."""
+        lines = ["# hpcinfer hardware profile: capacities in bytes, bandwidths in bytes/s, rates in FLOP/s",
+                 f"name = {_toml_string(self.name)}"]
+        if self.notes:
+            lines.append(f"notes = {_toml_string(self.notes)}")
+        for key in MEMORY_FIELDS:
+            lines.append(f"{key} = {getattr(self, key)}  # {human_bytes(getattr(self, key))}")
+        for key in RATE_FIELDS:
+            value = float(getattr(self, key))
+            unit = "FLOP/s" if key.endswith("flops") else "B/s"
+            lines.append(f"{key} = {value:.6g}  # {_human_rate(value)}{unit}")
+        return "\n".join(lines) + "\n"
+
+    def summary(self) -> str:
+        return (f"{self.name}: device {human_bytes(self.device_memory)}, host {human_bytes(self.host_memory)}, "
+                f"disk {human_bytes(self.disk_memory)}; host->device {_human_rate(self.host_to_device)}B/s, "
+                f"device->host {_human_rate(self.device_to_host)}B/s, disk->host "
+                f"{_human_rate(self.disk_to_host)}B/s, host->disk {_human_rate(self.host_to_disk)}B/s; matmul "
+                f"{_human_rate(self.device_flops)}FLOP/s device, {_human_rate(self.host_flops)}FLOP/s host; "
+                f"memory {_human_rate(self.device_bandwidth)}B/s device, {_human_rate(self.host_bandwidth)}B/s "
+                f"host")
+
+
+def _human_rate(value: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.3g} "
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+
+
+# ---- presets ---------------------------------------------------------------------------------------------------
+# Capacities are the machines' (decimal units); rates are sustained values a tuned runtime reaches, well below the
+# data-sheet peaks (FlexGen fits them by profiling, Section 4.3).
+
+PRESETS: dict[str, HardwareProfile] = {
+    # FlexGen's evaluation machine (Section 6, Table 1): GCP, T4 16 GB over PCIe 3.0 x16, 208 GB DRAM, 1.5 TB SSD
+    # reading at about 2 GB/s and writing at about 1 GB/s. T4: 65 TFLOP/s fp16 peak, 320 GB/s.
+    "t4-16gb": HardwareProfile(
+        name="t4-16gb", device_memory=16 * 10**9, host_memory=208 * 10**9, disk_memory=1500 * 10**9,
+        host_to_device=12e9, device_to_host=12e9, disk_to_host=2e9, host_to_disk=1e9,
+        device_flops=20e12, host_flops=1.0e12, device_bandwidth=250e9, host_bandwidth=40e9),
+    # A100 40 GB on PCIe 4.0 x16 (~25 GB/s pinned), NVMe (3 GB/s read, 2 GB/s write), 312 TFLOP/s fp16 peak,
+    # 1.55 TB/s; a two-socket host with 256 GB DRAM.
+    "a100-40gb-pcie4": HardwareProfile(
+        name="a100-40gb-pcie4", device_memory=40 * 10**9, host_memory=256 * 10**9, disk_memory=2000 * 10**9,
+        host_to_device=25e9, device_to_host=25e9, disk_to_host=3e9, host_to_disk=2e9,
+        device_flops=200e12, host_flops=2.0e12, device_bandwidth=1.3e12, host_bandwidth=100e9),
+    # H100 80 GB SXM on PCIe 5.0 x16 (~50 GB/s pinned), NVMe RAID (6 GB/s read, 4 GB/s write), 990 TFLOP/s fp16
+    # dense peak, 3.35 TB/s; a host with 512 GB DRAM.
+    "h100-80gb": HardwareProfile(
+        name="h100-80gb", device_memory=80 * 10**9, host_memory=512 * 10**9, disk_memory=4000 * 10**9,
+        host_to_device=50e9, device_to_host=50e9, disk_to_host=6e9, host_to_disk=4e9,
+        device_flops=600e12, host_flops=3.0e12, device_bandwidth=2.8e12, host_bandwidth=200e9),
+}
+
+
+# ---- TOML ------------------------------------------------------------------------------------------------------
+
+def load_profile(path: str) -> HardwareProfile:
+    """Read a profile TOML file; ConfigError naming the file and the key on anything wrong."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"profile file '{path}' does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"profile file '{path}' cannot be read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"profile file '{path}' is not valid TOML: {exc}") from None
+    fields = {f.name for f in dataclasses.fields(HardwareProfile)}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(f"{path}: unknown key '{key}'; allowed keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for key in MEMORY_FIELDS + RATE_FIELDS:
+        if key not in raw:
+            raise ConfigError(f"{path}: missing key '{key}'")
+        value = raw[key]
+        try:
+            kwargs[key] = parse_bytes(value) if key in MEMORY_FIELDS else float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: {key} = {value!r} is not a number") from None
+    for key in ("name", "notes"):
+        if key in raw:
+            kwargs[key] = str(raw[key])
+    try:
+        return HardwareProfile(**kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def save_profile(profile: HardwareProfile, path: str) -> None:
+    """Write atomically (a temp file renamed over `path`)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".profile-", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(profile.to_toml())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def resolve_profile(name_or_path: str) -> HardwareProfile:
+    """A preset by name, else a profile file; ConfigError listing the presets when it is neither."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if os.path.exists(name_or_path):
+        return load_profile(name_or_path)
+    raise ConfigError(f"unknown hardware profile {name_or_path!r}: neither a preset ({', '.join(PRESETS)}) nor "
+                      f"an existing file")
+
+
+# ---- measuring this machine ------------------------------------------------------------------------------------
+
+def measure(tmp_dir: str, device_memory: int | None = None, host_memory: int | None = None,
+            disk_memory: int | None = None, size: int = 256 * 2**20) -> HardwareProfile:
+    """Measure this machine as the NumPy backend sees it (a few seconds with the default 256 MiB arrays).
+
+    On the NumPy backend the device tier is ordinary memory, so host <-> device is a memcpy (np.copyto) and the
+    device and host rates are the same numbers. Unset capacities: device and host half of physical memory each
+    (they share it on this backend), disk the free space under `tmp_dir`.
+    Disk reads: the file is written and fsynced, then its pages are dropped with posix_fadvise(DONTNEED) before
+    reading it back. Filesystems that ignore the hint (tmpfs, some overlay and network filesystems) serve the read
+    from the page cache; `notes` says so when the read comes out faster than a third of memcpy.
+    """
+    n = max(size // 4 // 1024, 64) * 1024                           # float32 elements, rows of 1024
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    nbytes = src.nbytes
+    copy_s = _best_of(3, lambda: np.copyto(dst, src))
+    copy_back_s = _best_of(3, lambda: np.copyto(src, dst))
+    write_s, read_s, note = _disk_times(tmp_dir, src)
+    a = np.random.default_rng(0).random((2048, 2048), dtype=np.float32)
+    b = np.random.default_rng(1).random((2048, 2048), dtype=np.float32)
+    matmul_s = _best_of(3, lambda: a @ b)
+    flops = 2.0 * 2048**3 / matmul_s
+    big = src.reshape(-1, 1024)                                      # [N, 1024]: a gemv reads it once
+    vec = np.ones(1024, np.float32)
+    read_mem_s = _best_of(3, lambda: big @ vec)
+    bandwidth = nbytes / read_mem_s
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    notes = ["numpy backend: host<->device is a memcpy, device and host rates are the same numbers"]
+    if note:
+        notes.append(note)
+    if nbytes / read_s > nbytes / copy_s / 3:
+        notes.append("disk read faster than a third of memcpy: probably served by the page cache")
+    return HardwareProfile(
+        name=f"{socket.gethostname()} (measured)", notes="; ".join(notes),
+        device_memory=int(device_memory if device_memory is not None else physical // 2),
+        host_memory=int(host_memory if host_memory is not None else physical // 2),
+        disk_memory=int(disk_memory if disk_memory is not None else shutil.disk_usage(tmp_dir).free),
+        host_to_device=nbytes / copy_s, device_to_host=nbytes / copy_back_s,
+        disk_to_host=nbytes / read_s, host_to_disk=nbytes / write_s,
+        device_flops=flops, host_flops=flops, device_bandwidth=bandwidth, host_bandwidth=bandwidth)
+
+
+def _best_of(repeats: int, fn) -> float:
+    fn()                                                             # warm up: page faults, BLAS threads
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _disk_times(tmp_dir: str, data: np.ndarray) -> tuple[float, float, str]:
+    """(write seconds incl. fsync, read seconds after dropping the file's pages, a caveat or "")."""
+    chunk = 16 * 2**20
+    view = memoryview(data).cast("B")
+    fd, path = tempfile.mkstemp(prefix="hpcinfer-profile-", dir=tmp_dir)
+    note = ""
+    try:
+        t0 = time.perf_counter()
+        for at in range(0, len(view), chunk):
+            os.write(fd, view[at:at + chunk])
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        else:
+            note = "no posix_fadvise: the disk read may come from the page cache"
+        out = bytearray(chunk)
+        t0 = time.perf_counter()
+        os.lseek(fd, 0, os.SEEK_SET)
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+            while f.readinto(out):
+                pass
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return max(write_s, 1e-9), max(read_s, 1e-9), note

@@ -1,0 +1,301 @@
+"""Offload planning: the Policy, FlexGen's cost model on hand-computed numbers, the placement LP on cases whose
+answer can be derived by hand, the hardware profile's TOML, and `hpcinfer plan` / `hpcinfer profile` end to end.
+
+The tiny model (float32): D = 64, 4 layers, 4 heads, F = 256, V = 64, 128 learned positions, tied head, no biases.
+  params: embed 64*64 + positions 128*64 + 4 * (norms 256 + qkv 3*4096 + o 4096 + mlp 2*16384) + final norm 128
+        = 4096 + 8192 + 4 * 49408 + 128 = 210048  ->  Wt = 840192 bytes, W = Wt / 4 = 210048 bytes per layer
+  per token per layer: kv = 2 * 64 * 4 = 512 B, act = q = 256 B; f = 2 * 49408 = 98816 FLOPs, f_head = 2*64*64
+Workload: prompt s = 8, generate n = 4, gpu_batch_size b = 2, num_gpu_batches k = 1 (block B = 2).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+
+import pytest
+
+from hpcinfer.errors import ConfigError
+from hpcinfer.model.arch import ModelArch
+from hpcinfer.offload.cost_model import CostModel, ModelSizes
+from hpcinfer.offload.lp import PlacementError, search_policy, solve_placement
+from hpcinfer.offload.policy import Policy
+from hpcinfer.offload.profile import PRESETS, HardwareProfile, load_profile, resolve_profile, save_profile
+
+ARCH = ModelArch(family="test", vocab_size=64, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4,
+                 head_dim=16, intermediate_size=256, max_positions=128, activation="gelu", tied_embeddings=True)
+S, N, B = 8, 4, 2
+W, WT, KV_TOKEN = 210048, 840192, 512
+KV = B * (S + N) * KV_TOKEN * 4                   # the block's whole cache: 49152
+ACT = B * S * 256                                 # the block's activations at a layer boundary: 4096
+WORK = B * S * (2 * 256 + 256 + 512) + B * max(4 * S * S, S * 256) * 4 + B * 64 * 4   # 20480 + 16384 + 512
+# Device bytes with every weight streamed (2 layers resident: prefetch 1), cache and activations on the device:
+DEVICE_FOR_CACHE = 2 * W + KV + ACT + WORK        # 510720 < WT: too small for the weights
+
+
+def machine(device=10**12, host=10**12, disk=10**12, **rates) -> HardwareProfile:
+    """A fast link (1 TB/s), a slow disk (100 MB/s), a slow device (1 GFLOP/s: compute binds) and a very slow host
+    memory (1 MB/s: attention on the host is ruinous)."""
+    base = dict(host_to_device=1e12, device_to_host=1e12, disk_to_host=1e8, host_to_disk=1e8, device_flops=1e9,
+                host_flops=1e9, device_bandwidth=1e12, host_bandwidth=1e6)
+    base.update(rates)
+    return HardwareProfile(device_memory=device, host_memory=host, disk_memory=disk, **base)
+
+
+# ---- Policy ----------------------------------------------------------------------------------------------------
+
+def policy(**changes) -> Policy:
+    base = dict(gpu_batch_size=2, num_gpu_batches=1, weights_gpu=100, weights_cpu=0, cache_gpu=100, cache_cpu=0,
+                act_gpu=100, act_cpu=0)
+    base.update(changes)
+    return Policy(**base)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(weights_gpu=120), "weights_gpu"), (dict(cache_cpu=-1), "cache_cpu"), (dict(act_gpu="50"), "act_gpu"),
+    (dict(weights_gpu=60, weights_cpu=50), "weights_gpu + weights_cpu"),
+    (dict(cache_gpu=70, cache_cpu=40), "cache_gpu + cache_cpu"), (dict(act_gpu=1, act_cpu=100), "act_gpu + act_cpu"),
+    (dict(gpu_batch_size=0), "gpu_batch_size"), (dict(num_gpu_batches=1.5), "num_gpu_batches"),
+    (dict(prefetch_layers=-1), "prefetch_layers"), (dict(schedule="diagonal"), "schedule"),
+    (dict(cpu_attention=1), "cpu_attention"),
+])
+def test_policy_validation_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=field.replace("+", r"\+")):
+        policy(**changes)
+
+
+def test_policy_derived_values_and_toml():
+    p = policy(gpu_batch_size=8, num_gpu_batches=4, weights_gpu=20, weights_cpu=70, cache_gpu=12.5, cache_cpu=87.5,
+               act_gpu=0, act_cpu=100, cpu_attention=True, prefetch_layers=2)
+    assert (p.block_size, p.weights_disk, p.cache_disk, p.act_disk) == (32, 10, 0, 0)
+    assert p.fractions()["wd"] == pytest.approx(0.1)
+    section = tomllib.loads(p.to_toml_section(device_memory=16 * 10**9, host_memory=208 * 10**9))["offload"]
+    assert section == {"schedule": "zigzag", "gpu_batch_size": 8, "num_gpu_batches": 4, "weights_gpu": 20,
+                       "weights_cpu": 70, "cache_gpu": 12.5, "cache_cpu": 87.5, "act_gpu": 0, "act_cpu": 100,
+                       "cpu_attention": True, "prefetch_layers": 2, "device_memory": 16 * 10**9,
+                       "host_memory": 208 * 10**9}
+    assert "device_memory" not in tomllib.loads(p.to_toml_section())["offload"]
+    assert Policy(**{k: v for k, v in section.items() if not k.endswith("memory")}) == p
+
+
+# ---- the cost model --------------------------------------------------------------------------------------------
+
+RATES = dict(host_to_device=1e6, device_to_host=2e6, disk_to_host=1e5, host_to_disk=5e4, device_flops=1e9,
+             host_flops=1e8, device_bandwidth=1e10, host_bandwidth=1e9)
+
+
+def test_sizes_of_the_tiny_model():
+    z = ModelSizes.of(ARCH, "float32")
+    assert (z.total_weight_bytes, z.layer_weight_bytes, z.kv_bytes, z.act_bytes, z.query_bytes) == \
+        (WT, W, KV_TOKEN, 256, 256)
+    assert (z.flops_per_token, z.head_flops) == (98816, 8192)
+    assert ModelSizes.of(ARCH, "float16").total_weight_bytes == WT // 2
+
+
+def test_cost_model_by_hand():
+    """Weights half on the host, half on disk; cache and activations on the device; zig-zag, prefetch 1."""
+    hw = HardwareProfile(device_memory=10**9, host_memory=10**9, disk_memory=10**9, **RATES)
+    model = CostModel(ARCH, S, N, hw, "float32")
+    pred = model.predict(policy(weights_gpu=0, weights_cpu=50))
+    # prefill, per layer: weights in over the link, the disk half read from disk; nothing else moves
+    assert pred.prefill_terms["host_to_device"] == pytest.approx(W / 1e6)                  # 0.210048
+    assert pred.prefill_terms["disk_to_host"] == pytest.approx(0.5 * W / 1e5)              # 1.05024
+    assert pred.prefill_terms["device_to_host"] == pred.prefill_terms["host_to_disk"] == 0
+    linear = max(2 * (S * 98816 + 8192 / 4) / 1e9, W / 1e10)                               # 1.585152e-3
+    assert pred.prefill_terms["compute"] == pytest.approx(linear + B * 4 * 64 * S * S / 1e9)
+    # decode, per layer and step: the same weight traffic; compute = linear layers + attention over s + n/2
+    assert pred.decode_terms["disk_to_host"] == pytest.approx(1.05024)
+    cache_read = B * (S + N / 2) * KV_TOKEN                                                # 10240 bytes
+    attention = max(cache_read / 1e10, B * (S + N / 2) * 4 * 64 / 1e9)                      # flops bind: 5.12e-6
+    assert pred.decode_terms["compute"] == pytest.approx(2 * (98816 + 2048) / 1e9 + attention)
+    # overlap: each layer costs its slowest term (the disk here); L (T_pre + (n - 1) T_gen)
+    assert pred.prefill_s == pytest.approx(4 * 1.05024)
+    assert pred.decode_s == pytest.approx(4 * 3 * 1.05024)
+    assert pred.total_s == pred.latency_s == pytest.approx(16.80384)
+    assert pred.throughput == pytest.approx(B * N / 16.80384)
+    assert pred.bottleneck == "decode: disk_to_host"
+    # peak memory: 2 streamed layers + cache + activations + one GPU batch's buffers; host and disk hold the halves
+    assert pred.peak["device"] == pytest.approx(2 * W + KV + ACT + WORK)
+    assert pred.peak["host"] == pytest.approx(0.5 * WT + 0.5 * W * 2)                      # + disk staging
+    assert pred.peak["disk"] == pytest.approx(0.5 * WT)
+    assert pred.fits
+    # no overlap (prefetch 0): the terms add up
+    flat = model.predict(policy(weights_gpu=0, weights_cpu=50, prefetch_layers=0))
+    t_pre = 0.210048 + 1.05024 + linear + B * 4 * 64 * S * S / 1e9
+    t_gen = 0.210048 + 1.05024 + 2 * (98816 + 2048) / 1e9 + attention
+    assert flat.total_s == pytest.approx(4 * t_pre + 4 * 3 * t_gen)
+    assert flat.peak["device"] == pytest.approx(W + B * S * 256 + KV + ACT - B * S * 256 + WORK)   # 1 layer, 1 buf
+
+
+def test_cost_model_schedules_and_cpu_attention():
+    hw = HardwareProfile(device_memory=10**9, host_memory=10**9, disk_memory=10**9, **RATES)
+    model = CostModel(ARCH, S, N, hw, "float32")
+    # row schedule: every GPU batch reloads the weights; zig-zag loads them once per block
+    zigzag = model.predict(policy(num_gpu_batches=2, weights_gpu=0, weights_cpu=100))
+    row = model.predict(policy(num_gpu_batches=2, weights_gpu=0, weights_cpu=100, schedule="row"))
+    assert zigzag.decode_terms["host_to_device"] == pytest.approx(W / 1e6)
+    assert row.decode_terms["host_to_device"] == pytest.approx(2 * W / 1e6)
+    assert row.throughput < zigzag.throughput
+    # cache on the host: without CPU attention the cache crosses the link; with it only q and the output do
+    moved = model.predict(policy(cache_gpu=0, cache_cpu=100))
+    delegated = model.predict(policy(cache_gpu=0, cache_cpu=100, cpu_attention=True))
+    cache_read, q = B * (S + N / 2) * KV_TOKEN, B * 256
+    assert moved.decode_terms["host_to_device"] == pytest.approx(cache_read / 1e6)
+    assert delegated.decode_terms["host_to_device"] == pytest.approx(q / 1e6)
+    assert delegated.decode_terms["device_to_host"] == pytest.approx((B * KV_TOKEN + q) / 2e6)
+    host_attention = max(cache_read / 1e9, B * (S + N / 2) * 4 * 64 / 1e8)                 # 5.12e-5
+    assert delegated.decode_terms["compute"] == pytest.approx(2 * (98816 + 2048) / 1e9 + host_attention)
+    assert moved.prefill_terms["device_to_host"] == pytest.approx(B * S * KV_TOKEN / 2e6)  # the new cache out
+    assert moved.peak["host"] == pytest.approx(KV)
+
+
+# ---- the LP ----------------------------------------------------------------------------------------------------
+
+def test_lp_everything_on_the_device_when_it_fits():
+    p, pred = solve_placement(ARCH, S, N, 2, 1, machine())
+    assert (p.weights_gpu, p.cache_gpu, p.act_gpu) == (100, 100, 100)
+    assert not p.cpu_attention and pred.fits
+    assert pred.peak["host"] == pred.peak["disk"] == 0
+
+
+def test_lp_weights_on_host_cache_on_device():
+    """The device holds exactly the cache, activations and buffers with every weight streamed (DEVICE_FOR_CACHE),
+    not the weights (WT). The link is fast: streaming all weights (W / 1 TB/s) hides under compute (2e-4 s a
+    layer). With CPU attention over a 1 MB/s host memory, each byte of cache moved off the device to make room for
+    weights adds host attention time to the binding compute term; weights on the device would save only hidden
+    link time. So: weights all on the host, cache and activations all on the device, nothing on disk."""
+    hw = machine(device=DEVICE_FOR_CACHE)
+    p, pred = solve_placement(ARCH, S, N, 2, 1, hw, cpu_attention=True)
+    assert (p.weights_gpu, p.weights_cpu) == (0, 100)
+    assert (p.cache_gpu, p.act_gpu) == (100, 100)
+    assert pred.peak["device"] == pytest.approx(DEVICE_FOR_CACHE)
+    assert pred.peak["host"] == pytest.approx(WT + B * 4 * (S + N) * 4)                     # + attention scratch
+    assert pred.peak["disk"] == 0
+    # Letting the solver choose CPU attention cannot do worse.
+    _, auto = solve_placement(ARCH, S, N, 2, 1, hw)
+    assert auto.total_s <= pred.total_s * (1 + 1e-9)
+
+
+def test_lp_spills_weights_to_disk():
+    """Device as above (cache and activations held there), host 600 KB. Streaming from disk stages 2 layers in
+    host memory (2 W), so the host holds wc WT + (1 - wc) 2 W + scratch <= 600000:
+    wc <= (600000 - 2 W - 384) / (WT - 2 W) = 179520 / 420096 = 0.4273; the slow disk binds, so the LP keeps as
+    much on the host as fits: 42.73 %, printed as 42 (43 would not fit) with 58 % on disk."""
+    hw = machine(device=DEVICE_FOR_CACHE, host=600000)
+    p, pred = solve_placement(ARCH, S, N, 2, 1, hw, cpu_attention=True, fixed={"cache_gpu": 100, "act_gpu": 100})
+    bound = (600000 - 2 * W - 384) / (WT - 2 * W)
+    assert (p.weights_gpu, p.weights_cpu, p.weights_disk) == (0, math.floor(100 * bound), 58)
+    assert pred.fits and pred.peak["disk"] == pytest.approx(0.58 * WT)
+    assert pred.bottleneck == "decode: disk_to_host"
+    # Unpinned, the disk is still needed: weights + cache + activations exceed device + host.
+    p, pred = solve_placement(ARCH, S, N, 2, 1, hw)
+    assert pred.fits and pred.peak["disk"] > 0 and p.weights_disk + p.cache_disk > 0
+
+
+@pytest.mark.parametrize("budgets, tier", [
+    (dict(device=DEVICE_FOR_CACHE, host=600000, disk=1000), "disk"),      # the weights fit nowhere
+    (dict(device=DEVICE_FOR_CACHE, host=1000), "host"),                   # disk weights need host staging
+    (dict(device=1000), "device"),                                        # below one GPU batch's buffers
+])
+def test_lp_infeasible_budgets_name_the_tier(budgets, tier):
+    with pytest.raises(PlacementError) as info:
+        solve_placement(ARCH, S, N, 2, 1, machine(**budgets))
+    assert info.value.tier == tier and info.value.tiers[0] == tier
+    assert f"the {tier} tier needs at least" in str(info.value) and f"{tier}_memory is" in str(info.value)
+    assert isinstance(info.value, ConfigError)
+
+
+def test_lp_max_latency():
+    hw = machine(device=DEVICE_FOR_CACHE, host=600000)
+    _, free = solve_placement(ARCH, S, N, 2, 1, hw)
+    with pytest.raises(PlacementError) as info:
+        solve_placement(ARCH, S, N, 2, 1, hw, max_latency=free.total_s / 2)
+    assert info.value.tier == "max_latency" and "max_latency" in str(info.value)
+
+
+def test_search_policy_returns_the_fastest_feasible_candidate():
+    hw = machine(device=2 * DEVICE_FOR_CACHE, host=2 * 10**6)
+    best_policy, best, candidates = search_policy(ARCH, S, N, hw, gpu_batch_sizes=[1, 2, 4, 8],
+                                                  num_gpu_batches=[1, 2, 4])
+    assert len(candidates) >= 3 and (best_policy, best) == candidates[0]
+    assert best.policy is best_policy and best.fits
+    assert all(best.throughput >= pred.throughput for _, pred in candidates)
+    assert all(pred.fits for _, pred in candidates)
+    with pytest.raises(PlacementError):
+        search_policy(ARCH, S, N, machine(device=1000))
+
+
+# ---- the hardware profile --------------------------------------------------------------------------------------
+
+def test_profile_toml_round_trip_and_presets(tmp_path):
+    t4 = PRESETS["t4-16gb"]
+    assert (t4.device_memory, t4.host_memory, t4.disk_to_host, t4.host_to_disk) == (16e9, 208e9, 2e9, 1e9)
+    for name, preset in PRESETS.items():
+        path = tmp_path / f"{name}.toml"
+        save_profile(preset, str(path))
+        assert load_profile(str(path)) == preset
+        assert resolve_profile(name) is preset and resolve_profile(str(path)) == preset
+    (tmp_path / "bad.toml").write_text("device_memory = 1\n")
+    with pytest.raises(ConfigError, match="missing key 'host_memory'"):
+        load_profile(str(tmp_path / "bad.toml"))
+    (tmp_path / "typo.toml").write_text(PRESETS["t4-16gb"].to_toml() + "gpu_flops = 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'gpu_flops'"):
+        load_profile(str(tmp_path / "typo.toml"))
+    with pytest.raises(ConfigError, match="neither a preset"):
+        resolve_profile("v100-no-such")
+    assert t4.with_budgets(host_memory=10).host_memory == 10 and t4.with_budgets().host_memory == 208e9
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+def test_cli_plan(run_cli, repo_root):
+    result = run_cli(["plan", "--model", "gpt-13b", "--prompt-len", "512", "--gen-len", "32", "--profile",
+                      "t4-16gb", "--dtype", "float16", "--candidates", "5"], cwd=repo_root, timeout=120)
+    assert result.returncode == 0, result.stderr
+    doc = tomllib.loads(result.stdout)                  # the whole output is TOML: comments and [offload]
+    section = doc["offload"]
+    assert section["device_memory"] == 16 * 10**9 and section["host_memory"] == 208 * 10**9
+    p = Policy(**{k: v for k, v in section.items() if not k.endswith("memory")})
+    assert p.block_size > 1 and p.weights_gpu < 100     # 25.7 GB of weights on a 16 GB device
+    out = result.stdout
+    assert "# predicted:" in out and "tokens/s" in out and "# peak memory: device" in out and "host" in out
+    assert "# candidates (the 5 fastest" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "gpt-4", "--profile", "t4-16gb"], ["'gpt-4'", "preset", "gpt-13b"]),
+    (["--model", "gpt-13b", "--profile", "v100-nope"], ["v100-nope", "t4-16gb"]),
+    (["--model", "missing.h5", "--profile", "t4-16gb"], ["missing.h5", "does not exist"]),
+    (["--model", "gpt-13b", "--profile", "t4-16gb", "--device-memory", "lots"], ["--device-memory", "lots"]),
+    (["--model", "lm-175b", "--profile", "t4-16gb", "--disk-memory", "1GB"], ["does not fit", "disk"]),
+])
+def test_cli_plan_bad_input_is_one_error_line(run_cli, repo_root, tmp_path, args, words):
+    result = run_cli(["plan", *args], cwd=repo_root, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpcinfer: error:"), result.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_cli_plan_unreadable_profile(run_cli, repo_root, tmp_path):
+    bad = tmp_path / "broken.toml"
+    bad.write_text("device_memory = [\n")
+    result = run_cli(["plan", "--model", "gpt-13b", "--profile", str(bad)], cwd=repo_root, timeout=120)
+    assert result.returncode == 2 and "not valid TOML" in result.stderr and str(bad) in result.stderr
+
+
+def test_cli_profile_writes_a_loadable_profile(run_cli, repo_root, tmp_path):
+    out = tmp_path / "machine.toml"
+    result = run_cli(["profile", "--out", str(out), "--size", "8MiB", "--disk-dir", str(tmp_path),
+                      "--device-memory", "2GB", "--host-memory", "8GiB"], cwd=repo_root, timeout=120)
+    assert result.returncode == 0, result.stderr
+    profile = load_profile(str(out))
+    assert (profile.device_memory, profile.host_memory) == (2 * 10**9, 8 * 2**30)
+    assert profile.host_to_device > 1e8 and profile.device_flops > 1e8 and profile.disk_to_host > 0
+    assert list(tmp_path.glob("hpcinfer-profile-*")) == []             # the temp file is gone
+    plan = run_cli(["plan", "--model", "tiny-dense", "--profile", str(out), "--prompt-len", "16", "--gen-len", "4"],
+                   cwd=repo_root, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert tomllib.loads(plan.stdout)["offload"]["device_memory"] == 2 * 10**9
+    bad = run_cli(["profile", "--disk-dir", str(tmp_path / "nope")], cwd=repo_root, timeout=60)
+    assert bad.returncode == 2 and "--disk-dir" in bad.stderr
