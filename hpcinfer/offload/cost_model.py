@@ -180,7 +180,7 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return all(self.peak[t] <= self.budget[t] * (1 + 1e-9) + 1 for t in TIERS)
+        return all(self.peak[t] <= self.budget[t] * (1 + 1e-6) + 1 for t in TIERS)    # the LP's tolerance
 
     @property
     def bottleneck(self) -> str:
