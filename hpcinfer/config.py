@@ -92,6 +92,8 @@ class OffloadSection:
                                                           "num_gpu_batches", _non_negative))
     num_gpu_batches: int = field(default=1, metadata=_meta("GPU batches per block (zig-zag)", _positive))
     cpu_attention: bool = field(default=False, metadata=_meta("decode attention on the host for host-resident KV"))
+    profile: str | None = field(default=None, metadata=_meta(
+        "hardware profile (a `hpcinfer profile` TOML file or a preset) for the predicted-vs-measured report"))
 
     @property
     def active(self) -> bool:

@@ -20,7 +20,7 @@ from .generate.sampling import SamplingParams
 from .generate.schedule import micro_batches
 from .generate.tokenizer import TextTokenizer
 from .metrics import summarize
-from .offload.budget import check_budgets
+from .offload.budget import check_budgets, predicted_vs_measured
 from .offload.zigzag import run_block_zigzag
 from .parallel.layout import check_experts, check_tensor_parallel
 from .parallel.stages import partition_layers
@@ -59,6 +59,10 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
         _check_kv_offload(config, ckpt.arch, stages, prompts, world_size, ranks_per_node)
         if config.offload.active:
             check_budgets(ckpt.arch, config, stages, [len(p.tokens) for p in prompts])
+        if config.offload.profile is not None:
+            from .offload.profile import resolve_profile
+
+            resolve_profile(config.offload.profile)
         if rank == 0:
             _check_writable(config.generate.output, "[generate] output")
             if config.generate.metrics:
@@ -172,6 +176,14 @@ def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: f
         answer = record.get("text", " ".join(map(str, record["output_tokens"])))
         print(f"[{record['id']}] {answer!r} ({record['finish_reason']})", flush=True)
     metrics = summarize(job.config, arch, mesh, reports, load_s, total_s, threads)
+    if job.config.offload.active:
+        blocks = -(-len(job.prompts) // job.config.generate.batch_size) / mesh.shape.dp
+        report = predicted_vs_measured(arch, job.config, [len(p.tokens) for p in job.prompts], blocks,
+                                       metrics["generate_s"])
+        if report is not None:
+            metrics["offload"].update(report)
+            print(f"hpcinfer: offload: measured {report['measured_s']:.2f} s, cost model predicted "
+                  f"{report['predicted_s']:.2f} s on profile {report['profile']}", flush=True)
     print(f"hpcinfer: {metrics['generated_tokens']} tokens generated for {len(records)} prompts in "
           f"{metrics['generate_s']:.2f} s ({metrics['tokens_per_s']:.1f} tokens/s); results in "
           f"{job.config.generate.output}", flush=True)

@@ -23,6 +23,7 @@ from cli_helpers import run_cli as _run_cli  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line("markers", "mpi: run under mpiexec with --with-mpi (pytest-mpi; min_size=N ranks)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds (real weights, many ranks)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU visible to cupy (skipped elsewhere)")
     # Ranks race on pytest's temp-dir cleanup: without an explicit --basetemp, give each rank its own.
     # (tests/run_all.sh passes one; this covers a hand-typed `mpiexec -n 2 python -m pytest --with-mpi`.)
     rank = os.environ.get("PMI_RANK")

@@ -27,14 +27,6 @@ from hpcinfer.backend.ops import StepLayout
 from hpcinfer.parallel.layers import weight_dtype
 
 
-def _register_gpu_marker():
-    """Register `gpu` without touching conftest.py (config of the running session; harmless if absent)."""
-    config = getattr(pytest.mark, "_config", None)
-    if config is not None:
-        config.addinivalue_line("markers", "gpu: needs a CUDA GPU visible to cupy (skipped elsewhere)")
-
-
-_register_gpu_marker()
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU visible to cupy "
                                                              "(cupy missing, or cupy.is_available() is False)")]

@@ -33,6 +33,8 @@ def make_all_to_all(kind: str, group, ranks_per_node: int) -> AllToAll:
     """The all-to-all of `kind` over `group`; ranks_per_node counts the group's ranks on one node."""
     if kind not in KINDS:
         raise ValueError(f"all-to-all kind {kind!r} is not one of {KINDS} (PCC is composed by the dispatcher)")
+    if hasattr(group, "make_all_to_all"):                 # device groups (NCCL, host-staged) bring their own
+        return group.make_all_to_all(kind, ranks_per_node)
     if group.size == 1 or kind == "flat":
         return FlatAllToAll(group)
     return HierarchicalAllToAll(group, ranks_per_node)

@@ -1,7 +1,7 @@
 """Run the kernels of cuda_src/ on the CPU, on NumPy arrays, to check their logic against the NumPy ops with no GPU.
 
 `build(name, defines)` compiles cuda_src/{name}.cu with g++ and cuda_src/emu/cuda_emu.h forced in (blocks run in
-turn, one std::thread per CUDA thread, barriers for __syncthreads and warp shuffles) into a shared library, cached
+turn, one fiber per CUDA thread, barriers for __syncthreads and warp shuffles) into a shared library, cached
 under build/kernel-emu/ by a hash of the sources, defines and flags; `module.launch(function, grid, block, *args)`
 runs one kernel. Arguments follow the kernel's C signature, read from the source: NumPy arrays (or None, a null
 pointer) for pointers, Python numbers for scalars.
@@ -27,7 +27,7 @@ from .loader import CUDA_SRC, define_options
 
 EMU_HEADER = CUDA_SRC / "emu" / "cuda_emu.h"
 BUILD_DIR = CUDA_SRC.parent / "build" / "kernel-emu"
-FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
+FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-w",
          "-ffp-contract=off",                     # no fused multiply-add: float results as IEEE operation by operation
          "-fno-gnu-unique", "-fvisibility=hidden")  # each library keeps its own static (shared-memory) variables
 
@@ -78,10 +78,10 @@ def _launchers(sigs) -> str:
         unpack = "\n".join(f"    {t} p{i} = *({t}*)a[{i}];" for i, (t, _) in enumerate(params))
         call = ", ".join(f"p{i}" for i in range(len(params)))
         code.append(
-            f'extern "C" __attribute__((visibility("default"))) void emu_launch_{function}(\n'
+            f'extern "C" __attribute__((visibility("default"))) int emu_launch_{function}(\n'
             f"        unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, void** a) {{\n"
             f"{unpack}\n"
-            f"    emu::launch(dim3(gx, gy, gz), dim3(bx, by, bz), [=] {{ {function}({call}); }});\n}}\n")
+            f"    return emu::launch(dim3(gx, gy, gz), dim3(bx, by, bz), [=] {{ {function}({call}); }});\n}}\n")
     return "\n".join(code)
 
 
@@ -107,8 +107,12 @@ class EmulatedModule:
                 value = _SCALARS[ctype](arg)
             values.append(value)
             slots[i] = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
-        with _lock:   # the emulator's block state is per library, and launches are not reentrant
-            getattr(self.library, f"emu_launch_{function}")(*(ctypes.c_uint(v) for v in grid + block), slots)
+        with _lock:   # the emulator's state is per library, and a launch is not reentrant
+            status = getattr(self.library, f"emu_launch_{function}")(*(ctypes.c_uint(v) for v in grid + block), slots)
+        if status == 1:
+            raise ValueError(f"{function}: block {block} is not a whole number of warps")
+        if status == 2:
+            raise RuntimeError(f"{function}: deadlock (a __syncthreads or shuffle not reached by every thread)")
 
 
 _modules: dict = {}

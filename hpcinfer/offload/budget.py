@@ -49,3 +49,25 @@ def check_budgets(arch, config, stages, prompt_lengths: list) -> None:
                 raise ConfigError(f"{config.path}: [offload] {key} = {budget:,} bytes cannot hold this plan: "
                                   f"{int(plan[tier]):,} bytes needed on the {tier} ({parts}); lower weights_gpu "
                                   f"/ cache_gpu, or raise the budget")
+
+
+def predicted_vs_measured(arch, config, prompt_lengths: list, blocks: int, measured_s: float) -> dict | None:
+    """The cost model's time for this run's policy on `[offload] profile`, beside the measured time."""
+    from .cost_model import CostModel
+    from .policy import Policy
+    from .profile import resolve_profile
+
+    off = config.offload
+    if off.profile is None:
+        return None
+    batch = config.generate.batch_size
+    policy = Policy(gpu_batch_size=off.gpu_batch_size or max(1, batch // off.num_gpu_batches),
+                    num_gpu_batches=off.num_gpu_batches, weights_gpu=off.weights_gpu, weights_cpu=off.weights_cpu,
+                    cache_gpu=off.cache_gpu, cache_cpu=off.cache_cpu, act_gpu=off.act_gpu, act_cpu=off.act_cpu,
+                    cpu_attention=off.cpu_attention, prefetch_layers=off.prefetch_layers, schedule=off.schedule)
+    prompt_len = max(1, round(sum(prompt_lengths) / len(prompt_lengths)))
+    model = CostModel(arch, prompt_len, config.generate.max_new_tokens, resolve_profile(off.profile),
+                      config.model.dtype)
+    predicted = model.predict(policy).total_s * blocks
+    return {"profile": off.profile, "predicted_s": predicted, "measured_s": measured_s,
+            "measured_over_predicted": measured_s / predicted if predicted > 0 else None}

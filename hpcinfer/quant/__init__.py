@@ -1,0 +1,1 @@
+"""Weight quantization (docs/quantization.md)."""

@@ -1,0 +1,110 @@
+"""Quantized tensors in the HDF5 checkpoint, and the load rule the sharded layers share.
+
+A quantized tensor `name` is three root datasets instead of one: `name.q` (int8, or uint8 for unsigned and packed
+4-bit values), `name.scale` and, when asymmetric, `name.min` (float32 [out, in / group_size]). All three hold the
+COMPUTE layout [out, in] with groups along `in`, row-parallel weights included (their float form is stored
+[in, out]); the attributes of `name.q` say how: mode, bits, group_size, shape (the float tensor's stored shape, as
+model.arch.tensor_shapes gives it) and transposed (true for row-parallel weights).
+
+Which tensors are quantized: the 2-D weight matrices of attention and the dense MLP, the token embedding and the LM
+head. Norms, biases, position tables, MoE routers and expert stacks stay in the checkpoint's float dtype.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ..errors import CheckpointError, ConfigError
+from .formats import DEFAULT_GROUP, LOAD_MODES, QuantError, QuantizedTensor, quantize, slice_cols, slice_rows
+
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")            # root attribute `quantization`
+_LAYER = re.compile(r"^layers\.\d+\.(attn\.[qkvo]|mlp\.(gate|up|down))\.weight$")
+_ROW_PARALLEL = (".attn.o.weight", ".mlp.down.weight")
+
+
+def is_quantizable(name: str) -> bool:
+    return name in ("embed.tokens", "lm_head.weight") or bool(_LAYER.match(name))
+
+
+def is_row_parallel(name: str) -> bool:
+    """Stored [in, out] as float, [out, in] once quantized."""
+    return name.endswith(_ROW_PARALLEL)
+
+
+def write_quantized(file, name: str, qt: QuantizedTensor, stored_shape: tuple) -> None:
+    for part, array in qt.arrays().items():
+        file.create_dataset(f"{name}.{part}", data=array)
+    attrs = file[f"{name}.q"].attrs
+    attrs["mode"], attrs["bits"], attrs["group_size"] = qt.mode, qt.bits, qt.group_size
+    attrs["shape"] = np.asarray(stored_shape, dtype=np.int64)
+    attrs["transposed"] = is_row_parallel(name)
+
+
+def is_stored_quantized(file, name: str) -> bool:
+    return name not in file and f"{name}.q" in file
+
+
+def stored_shape(file, name: str) -> tuple:
+    return tuple(int(n) for n in file[f"{name}.q"].attrs["shape"])
+
+
+def read_quantized(file, name: str, rows: slice | None = None, cols: slice | None = None) -> QuantizedTensor:
+    """The quantized tensor in compute layout [out, in], or a block of its output rows (`rows`) or input columns
+    (`cols`): only that block is read from the file."""
+    q = file[f"{name}.q"]
+    mode, g = str(q.attrs["mode"]), int(q.attrs["group_size"])
+    has_min = f"{name}.min" in file
+    whole = QuantizedTensor(mode, q, file[f"{name}.scale"], file[f"{name}.min"] if has_min else None, g)
+    if rows is not None:
+        part = slice_rows(whole, rows)
+    elif cols is not None:
+        try:
+            part = slice_cols(whole, cols)
+        except QuantError as exc:
+            raise CheckpointError(f"tensor '{name}': {exc}; use a tp degree whose shards hold whole groups") from None
+    else:
+        part = whole
+    return QuantizedTensor(mode, np.asarray(part.q[()] if rows is None and cols is None else part.q),
+                           np.asarray(part.scale[()] if part.scale is whole.scale else part.scale, dtype=np.float32),
+                           None if part.min is None else np.asarray(
+                               part.min[()] if part.min is whole.min else part.min, dtype=np.float32),
+                           part.group_size)
+
+
+def configure(ckpt, mode: str, group_size: int = DEFAULT_GROUP) -> None:
+    """Apply `[model] quantize`: a float checkpoint is quantized layer by layer while it loads; a quantized one
+    keeps its own format, and asking for a different one is an error."""
+    if mode not in LOAD_MODES:
+        raise ConfigError(f"[model] quantize = {mode!r} is not allowed; choose one of {', '.join(LOAD_MODES)}")
+    stored = getattr(ckpt, "quantization", "none")
+    if stored != "none":
+        if mode not in ("none", stored):
+            raise ConfigError(f"[model] quantize = {mode!r} conflicts with checkpoint '{ckpt.path}', which is "
+                              f"already quantized as {stored!r}; set quantize = \"none\" or \"{stored}\", or "
+                              f"convert the float model again")
+        return
+    ckpt.load_quant = None if mode == "none" else (mode, group_size)
+
+
+def load_matrix(ckpt, name: str, rows: slice | None = None, cols: slice | None = None):
+    """A layer's weight block as a QuantizedTensor in compute layout [out, in] when the checkpoint stores it
+    quantized or `[model] quantize` asks for it; None when it stays float (the caller reads it as before).
+    rows: block of output rows (column-parallel, vocabulary); cols: block of input rows (row-parallel)."""
+    file = getattr(ckpt, "file", None)
+    if file is not None and is_stored_quantized(file, name):
+        return read_quantized(file, name, rows, cols)
+    wanted = getattr(ckpt, "load_quant", None)
+    if wanted is None or not is_quantizable(name):
+        return None
+    mode, group_size = wanted
+    if cols is not None:
+        w = ckpt.read(name, cols).T                                  # stored [in_local, out] -> [out, in_local]
+    else:
+        w = ckpt.read(name, rows)
+    try:
+        return quantize(np.asarray(w, dtype=np.float32), mode, group_size)
+    except QuantError as exc:
+        where = f" (this rank's tp shard of {ckpt.shape(name)[0]} input rows)" if cols is not None else ""
+        raise ConfigError(f"[model] quantize = {mode!r}, tensor '{name}'{where}: {exc}") from None
