@@ -5,6 +5,7 @@
 #   make demo        convert it to HDF5 and run inputs/demo.toml on 2 ranks
 #   make test        the whole test suite: single process, then 2 and 4 MPI ranks (tests/run_all.sh)
 #   make test-quick  the same without the tests marked slow (8-rank layouts)
+#   make kernels     CUDA kernels without a GPU: nvcc -cubin of cuda_src/*.cu for sm_80 and sm_90, then the NVRTC check
 #   make bench-cpu   CPU benchmark (bench/cpu.py)
 #   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (bench/pipeline.py)
 #   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layer times (bench/moe.py)
@@ -26,7 +27,7 @@ GGUF_NAME = SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
-.PHONY: venv model demo test test-quick bench-cpu bench-pipeline bench-moe clean distclean
+.PHONY: venv model demo test test-quick kernels bench-cpu bench-pipeline bench-moe clean distclean
 .DELETE_ON_ERROR:
 
 venv: $(INSTALLED)
@@ -36,9 +37,10 @@ $(VENV)/pyvenv.cfg:
 
 # torch first and pinned: 2.13.0 is the CPU wheel found through pip's find-links; an unpinned
 # torch (as the test extra names it) would otherwise pull several GB of CUDA packages.
+# cuda-check: cupy and the NVRTC + runtime-header wheels (~520 MB), enough to compile-check the kernels with no GPU.
 $(INSTALLED): $(VENV)/pyvenv.cfg setup.cfg pyproject.toml
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[mpi,test]'
+	$(PY) -m pip install -e '.[mpi,test,cuda-check]'
 	touch $@
 
 model: $(GGUF)
@@ -64,6 +66,31 @@ test: venv model $(H5)
 # `-k not(slow)`: pytest's -k also matches marker names; no spaces, so run_all.sh passes it through whole.
 test-quick: venv model $(H5)
 	VENV=$(VENV) PYTEST_ARGS='-k not(slow)' bash tests/run_all.sh
+
+# CUDA kernels, no GPU needed: nvcc -cubin of every cuda_src/*.cu for sm_80 and sm_90 (half storage; skipped with
+# a message when nvcc is not on the PATH), then the NVRTC compile test (every file x storage type x #define variant,
+# through the compiler cupy.RawModule uses). `make test` runs the same test file, with the CPU-emulated kernel runs.
+KERNEL_SRC = $(wildcard cuda_src/*.cu)
+KERNEL_HDR = $(wildcard cuda_src/*.cuh)
+NVCC ?= $(shell command -v nvcc 2>/dev/null)
+NVCC_FLAGS = -cubin -std=c++17 -Icuda_src -DT_STORAGE=__half
+CUBINS = $(foreach arch,sm_80 sm_90,$(patsubst cuda_src/%.cu,build/kernels/%.$(arch).cubin,$(KERNEL_SRC)))
+
+kernels: venv
+ifeq ($(NVCC),)
+	@echo "make kernels: nvcc is not on the PATH; skipping the nvcc build (the NVRTC check still runs)"
+else
+	@$(MAKE) --no-print-directory $(CUBINS)
+endif
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_kernels_compile.py -k nvrtc
+
+build/kernels/%.sm_80.cubin: cuda_src/%.cu $(KERNEL_HDR)
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCC_FLAGS) -arch=sm_80 -o $@ $<
+
+build/kernels/%.sm_90.cubin: cuda_src/%.cu $(KERNEL_HDR)
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCC_FLAGS) -arch=sm_90 -o $@ $<
 
 bench-cpu: venv $(H5)
 	$(PY) -m bench.cpu

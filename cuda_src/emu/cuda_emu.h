@@ -1,0 +1,179 @@
+// CPU emulation of the CUDA features the kernels of cuda_src/ use, so that their logic can be checked against the
+// NumPy ops with no GPU (hpcinfer/kernels/emulate.py builds a kernel file with g++ and this header forced in).
+//   - blocks run one after the other; each CUDA thread of a block is a fiber (ucontext) on the calling OS thread,
+//     switched at barriers only, so a run is deterministic and needs no locks;
+//   - __shared__ variables become static locals: one instance, shared by the threads of the running block;
+//   - __syncthreads is a barrier over the block; a warp shuffle writes the lane's value to a per-warp slot array
+//     between two barriers over the warp; a thread that returns leaves both barriers (as an exited GPU thread does);
+//   - when every live thread of a block waits at a barrier that cannot complete (a divergent __syncthreads or
+//     shuffle), the launch stops and reports a deadlock, where the GPU would give undefined results.
+// Not a performance model and not a memory-model checker (the GPU run and compute-sanitizer are).
+// Needs the CUDA toolkit headers (cuda_fp16.h with crt/host_defines.h) for __half / __nv_bfloat16 on the host.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <ucontext.h>
+#include <cmath>
+#include <cstring>
+#include <cstdio>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#undef __global__
+#undef __device__
+#undef __host__
+#undef __forceinline__
+#undef __shared__
+#undef __launch_bounds__
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+
+namespace emu {
+
+constexpr size_t kStack = 256 * 1024;   // per CUDA thread; the kernels keep a few hundred bytes of locals
+
+struct Fiber {
+    ucontext_t ctx;
+    uint3 tid;
+    int linear;
+    bool done;
+};
+
+struct Barrier {
+    int arrived = 0, alive = 0;
+    long gen = 0;
+};
+
+inline std::vector<Fiber> g_fibers;
+inline int g_cur = 0;
+inline ucontext_t g_scheduler;
+inline const std::function<void()>* g_fn = nullptr;
+inline Barrier g_block_barrier;
+inline std::vector<Barrier> g_warp_barriers;
+inline std::vector<uint64_t> g_slots;    // 32 per warp
+inline long g_progress = 0;               // arrivals, releases and exits: a scheduler pass without any is a deadlock
+inline dim3 g_grid, g_blockdim;
+inline uint3 g_block;
+
+inline void yield() { swapcontext(&g_fibers[g_cur].ctx, &g_scheduler); }
+
+inline void arrive(Barrier& b) {
+    const long gen = b.gen;
+    ++g_progress;
+    if (++b.arrived == b.alive) {
+        b.arrived = 0;
+        ++b.gen;
+        return;
+    }
+    while (b.gen == gen) yield();
+}
+
+inline void leave(Barrier& b) {
+    --b.alive;
+    if (b.arrived > 0 && b.arrived == b.alive) {
+        b.arrived = 0;
+        ++b.gen;
+    }
+}
+
+inline void fiber_main() {
+    (*g_fn)();
+    Fiber& f = g_fibers[g_cur];
+    leave(g_warp_barriers[f.linear / 32]);
+    leave(g_block_barrier);
+    f.done = true;
+    ++g_progress;
+}   // returns to g_scheduler through uc_link
+
+inline void sync_block() { arrive(g_block_barrier); }
+
+template <typename T>
+inline T shfl(T v, int src) {
+    static_assert(sizeof(T) <= 8, "shfl of a type over 8 bytes");
+    const int linear = g_fibers[g_cur].linear, warp = linear / 32, lane = linear % 32;
+    std::memcpy(&g_slots[warp * 32 + lane], &v, sizeof(T));
+    arrive(g_warp_barriers[warp]);
+    T r;
+    std::memcpy(&r, &g_slots[warp * 32 + (src & 31)], sizeof(T));
+    arrive(g_warp_barriers[warp]);
+    return r;
+}
+
+// 0: done; 1: block size not a multiple of 32; 2: deadlock (divergent barrier) in a block.
+inline int launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
+    g_grid = grid;
+    g_blockdim = block;
+    g_fn = &fn;
+    const int n = block.x * block.y * block.z;
+    if (n % 32 != 0) return 1;
+    std::unique_ptr<char[]> stacks(new char[n * kStack]);
+    g_fibers.assign(n, Fiber{});
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                g_block = make_uint3(bx, by, bz);
+                g_block_barrier = Barrier{0, n, 0};
+                g_warp_barriers.assign(n / 32, Barrier{0, 32, 0});
+                g_slots.assign(n, 0);
+                for (int i = 0; i < n; ++i) {
+                    Fiber& f = g_fibers[i];
+                    f.linear = i;
+                    f.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
+                    f.done = false;
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = stacks.get() + (size_t)i * kStack;
+                    f.ctx.uc_stack.ss_size = kStack;
+                    f.ctx.uc_link = &g_scheduler;
+                    makecontext(&f.ctx, fiber_main, 0);
+                }
+                for (int remaining = n; remaining > 0;) {
+                    const long before = g_progress;
+                    for (int i = 0; i < n; ++i) {
+                        if (g_fibers[i].done) continue;
+                        g_cur = i;
+                        swapcontext(&g_scheduler, &g_fibers[i].ctx);
+                        if (g_fibers[i].done) --remaining;
+                    }
+                    if (remaining > 0 && g_progress == before) {
+                        std::fprintf(stderr, "emu: deadlock in block (%u, %u, %u): every live thread waits at a "
+                                     "barrier that cannot complete (divergent __syncthreads or shuffle)\n", bx, by, bz);
+                        return 2;
+                    }
+                }
+            }
+    return 0;
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::g_fibers[emu::g_cur].tid)
+#define blockIdx (emu::g_block)
+#define blockDim (emu::g_blockdim)
+#define gridDim (emu::g_grid)
+
+inline void __syncthreads() { emu::sync_block(); }
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    return emu::shfl(v, (emu::g_fibers[emu::g_cur].linear % 32) ^ mask);
+}
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) { return emu::shfl(v, src); }
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
