@@ -21,6 +21,12 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("output", help="output .h5 file")
     convert.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                          help="storage dtype (default float32)")
+    convert.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                         help="store the matrices quantized (docs/quantization.md; default none)")
+    convert.add_argument("--group-size", type=int, default=64, help="int4 group size along the input dimension "
+                         "(default 64)")
+    convert.add_argument("--keep-quantized", action="store_true",
+                         help="GGUF: keep Q4_1 / Q8_0 matrices as they are instead of dequantizing them")
     inspect = sub.add_parser("inspect", help="print a checkpoint's architecture and tensors, and check it")
     inspect.add_argument("checkpoint")
     _offload_parsers(sub)
@@ -70,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_run(args.config, args.overrides)
     try:
         if args.command == "convert":
-            return _convert(args.source, args.output, args.dtype)
+            return _convert(args.source, args.output, args.dtype, args.quantize, args.group_size,
+                            args.keep_quantized)
         if args.command == "profile":
             return _profile(args)
         if args.command == "plan":
@@ -81,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
-def _convert(source: str, output: str, dtype: str) -> int:
+def _convert(source: str, output: str, dtype: str, quantize: str = "none", group_size: int = 64,
+             keep_quantized: bool = False) -> int:
     import os
     import time
 
@@ -95,7 +103,12 @@ def _convert(source: str, output: str, dtype: str) -> int:
 
         raise CheckpointError(f"convert source '{source}' is neither a .gguf file nor a Hugging Face model "
                               f"folder (a directory with config.json)")
-    arch = convert(source, output, dtype)
+    if keep_quantized and not source.endswith(".gguf"):
+        from .errors import CheckpointError
+
+        raise CheckpointError("--keep-quantized applies to .gguf sources only")
+    extra = {"keep_quantized": True} if keep_quantized else {}
+    arch = convert(source, output, dtype, quantize, group_size, **extra)
     print(f"hpcinfer: converted {source} -> {output} ({arch.family}, {arch.num_layers} layers, "
           f"{arch.param_count():,} parameters, {dtype}) in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -51,6 +51,11 @@ class ModelSection:
         "a named model shape with random weights made on each rank (docs/presets.md), instead of a checkpoint",
         lambda v: _preset_check(v)))
     dtype: str = field(default="float32", metadata=_meta("weight storage dtype on the device", choices=DTYPES))
+    quantize: str = field(default="none", metadata=_meta(
+        "quantize a float checkpoint's matrices while loading (docs/quantization.md)",
+        choices=("none", "int8", "int4")))
+    quantize_group: int = field(default=64, metadata=_meta("int4 group size along each matrix's input dimension",
+                                                           _positive))
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,10 @@ class RankReport:
 
 def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
     """Everything that can be wrong with the inputs, checked on every rank before any weight is read."""
-    make_ops(config.runtime.backend)
+    ops = make_ops(config.runtime.backend)
     ckpt = open_model_source(config.model)
     try:
+        _check_quantization(config, ckpt, ops)
         par = config.parallel
         check_tensor_parallel(ckpt.arch, par.tp, config.path)
         stages = partition_layers(ckpt.arch, par.pp, config.path)
@@ -71,6 +72,19 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
         ckpt.close()
         raise
     return Job(config, ckpt, tokenizer, prompts, stages)
+
+
+def _check_quantization(config, ckpt, ops) -> None:
+    """`[model] quantize` against the checkpoint's own format; quantized weights run on the NumPy backend only."""
+    from .quant.storage import configure
+
+    configure(ckpt, config.model.quantize, config.model.quantize_group)
+    quantized = getattr(ckpt, "quantization", "none") != "none" or getattr(ckpt, "load_quant", None) is not None
+    if quantized and ops.name != "numpy":
+        raise ConfigError(f"{config.path}: quantized weights run on the numpy backend only so far; set "
+                          f"[runtime] backend = \"numpy\" or quantize = \"none\" with a float checkpoint")
+    if quantized and config.offload.active:
+        raise ConfigError(f"{config.path}: [offload] does not move quantized weights yet; use a float model")
 
 
 def open_model_source(model_section):

@@ -245,8 +245,8 @@ def case_not_hdf5(job, tmp):
 
 
 def case_other_format_version(job, tmp):
-    path = _copy_checkpoint(job, tmp, lambda f: f.attrs.modify("format_version", 2))
-    return None, [f'model.checkpoint="{path}"'], 2, [str(path), "format_version 2", "reads version 1"]
+    path = _copy_checkpoint(job, tmp, lambda f: f.attrs.modify("format_version", 3))
+    return None, [f'model.checkpoint="{path}"'], 2, [str(path), "format_version 3", "reads versions 1, 2"]
 
 
 def case_missing_tensor(job, tmp):

@@ -17,6 +17,7 @@ from .ops import StepLayout
 
 F32 = np.float32
 SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
+QUANT_TILE = 4096         # output rows dequantized per step by linear_q (a 4096 x 4096 float32 tile is 64 MiB)
 
 
 class NumpyOps:
@@ -44,6 +45,37 @@ class NumpyOps:
         if bias is not None:
             y += bias
         return y
+
+    def linear_q(self, x, qt, bias=None):
+        """x [T, in] @ dequantize(qt)[out, in].T (+ bias) -> [T, out] for a QuantizedTensor (quant/formats.py).
+        The weight is dequantized QUANT_TILE output rows at a time into one reused float32 buffer per tile shape,
+        each tile multiplied right away: never a float copy of the whole weight, none kept between calls."""
+        from ..quant.formats import dequantize, slice_rows
+
+        rows, cols = qt.shape
+        y = np.empty((x.shape[0], rows), dtype=F32)
+        for start in range(0, rows, QUANT_TILE):
+            stop = min(start + QUANT_TILE, rows)
+            w = dequantize(slice_rows(qt, slice(start, stop)), out=self._buffer((stop - start, cols), F32),
+                           scratch=self._buffer((stop - start, cols), np.uint8) if qt.bits == 4 else None)
+            y[:, start:stop] = (w @ x.T).T if x.shape[0] <= SMALL_BATCH else x @ w.T
+        if bias is not None:
+            y += bias
+        return y
+
+    def embedding_q(self, qt, ids):
+        """Gather rows of a quantized table [V, D], dequantizing only those rows -> [T, D] float32."""
+        from ..quant.formats import take_rows
+
+        return take_rows(qt, np.asarray(ids))
+
+    def _buffer(self, shape, dtype):
+        """A scratch array reused by every call with this shape and dtype (dequantized weight tiles)."""
+        cache = self.__dict__.setdefault("_scratch", {})
+        key = (shape, np.dtype(dtype).str)
+        if key not in cache:
+            cache[key] = np.empty(shape, dtype=dtype)
+        return cache[key]
 
     def embedding(self, table, ids):
         """table [V, D], ids [T] -> [T, D] float32."""

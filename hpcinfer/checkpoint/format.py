@@ -15,9 +15,12 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..model.arch import ModelArch, tensor_shapes
+from ..quant.formats import dequantize
+from ..quant.storage import QUANTIZATIONS, is_stored_quantized, read_quantized, stored_shape
 
 FORMAT_NAME = "hpcinfer"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2 added quantized tensors (docs/quantization.md); version 1 files still open
+READABLE_VERSIONS = (1, 2)
 DTYPES = ("float32", "float16", "bfloat16")
 # bfloat16 has no HDF5 type: stored as its raw 16 bits (uint16) with the dataset attribute dtype = "bfloat16".
 _STORED_AS = {"float32": np.dtype("float32"), "float16": np.dtype("float16"), "bfloat16": np.dtype("uint16")}
@@ -46,14 +49,21 @@ def from_storage(array: np.ndarray, dtype: str) -> np.ndarray:
 class Checkpoint:
     """An open, validated checkpoint. Use as a context manager, or call close()."""
 
-    def __init__(self, path: str, file: h5py.File, arch: ModelArch, dtype: str):
+    def __init__(self, path: str, file: h5py.File, arch: ModelArch, dtype: str, quantization: str = "none"):
         self.path, self.file, self.arch, self.dtype = path, file, arch, dtype
+        self.quantization = quantization          # how the file stores its matrices (quant/storage.py)
+        self.load_quant = None                    # (mode, group_size) to quantize a float file while loading
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if is_stored_quantized(self.file, name):
+            return stored_shape(self.file, name)
         return tuple(self.file[name].shape)
 
     def read(self, name: str, rows: slice | None = None) -> np.ndarray:
-        """Read a tensor, or only a block of its leading rows (a contiguous read)."""
+        """Read a tensor, or only a block of its leading rows (a contiguous read). A quantized tensor comes back
+        dequantized to float32 in its stored float layout; layers that keep it quantized use quant.storage."""
+        if is_stored_quantized(self.file, name):
+            return _read_dequantized(self.file, name, rows)
         ds = self.file[name]
         data = ds[()] if rows is None else ds[rows]
         return from_storage(np.asarray(data), self.dtype)
@@ -83,6 +93,13 @@ class Checkpoint:
         self.close()
 
 
+def _read_dequantized(file, name: str, rows: slice | None) -> np.ndarray:
+    if file[f"{name}.q"].attrs["transposed"]:                  # compute layout [out, in]; stored rows = `in`
+        w = dequantize(read_quantized(file, name)).T
+        return np.ascontiguousarray(w if rows is None else w[rows])
+    return dequantize(read_quantized(file, name, rows))
+
+
 def _attr_value(value):
     if isinstance(value, bytes):
         return value.decode("utf-8")
@@ -104,7 +121,7 @@ def open_checkpoint(path: str) -> Checkpoint:
     except Exception:
         file.close()
         raise
-    return Checkpoint(path, file, arch, dtype)
+    return Checkpoint(path, file, arch, dtype, _attr_value(file.attrs.get("quantization", "none")))
 
 
 def _validate(path: str, file: h5py.File) -> tuple[ModelArch, str]:
@@ -113,9 +130,12 @@ def _validate(path: str, file: h5py.File) -> tuple[ModelArch, str]:
         raise CheckpointError(f"'{path}' is an HDF5 file but not an hpcinfer checkpoint (no root attribute "
                               f"format = \"{FORMAT_NAME}\"); create one with `hpcinfer convert`")
     version = attrs.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint '{path}' has format_version {version}; this hpcinfer reads version "
-                              f"{FORMAT_VERSION}: convert the model again with this version")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(f"checkpoint '{path}' has format_version {version}; this hpcinfer reads versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}: convert the model again with this version")
+    if attrs.get("quantization", "none") not in QUANTIZATIONS:
+        raise CheckpointError(f"checkpoint '{path}' has quantization {attrs.get('quantization')!r}; allowed: "
+                              f"{', '.join(QUANTIZATIONS)}")
     dtype = attrs.get("dtype")
     if dtype not in DTYPES:
         raise CheckpointError(f"checkpoint '{path}' has dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
@@ -124,6 +144,11 @@ def _validate(path: str, file: h5py.File) -> tuple[ModelArch, str]:
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint '{path}' has an invalid architecture: {exc}") from None
     for name, shape in tensor_shapes(arch).items():
+        if version >= 2 and is_stored_quantized(file, name):
+            if stored_shape(file, name) != shape:
+                raise CheckpointError(f"checkpoint '{path}': quantized tensor '{name}' has shape "
+                                      f"{stored_shape(file, name)}, expected {shape}")
+            continue
         if name not in file:
             raise CheckpointError(f"checkpoint '{path}' is missing tensor '{name}' (expected shape {shape})")
         ds = file[name]
@@ -139,7 +164,8 @@ def _validate(path: str, file: h5py.File) -> tuple[ModelArch, str]:
 def describe(ckpt: Checkpoint) -> str:
     """Human-readable summary for `hpcinfer inspect`."""
     arch = ckpt.arch
-    lines = [f"checkpoint: {ckpt.path}", f"format: {FORMAT_NAME} v{FORMAT_VERSION}, dtype {ckpt.dtype}",
+    lines = [f"checkpoint: {ckpt.path}", f"format: {FORMAT_NAME} v{ckpt.file.attrs['format_version']}, dtype {ckpt.dtype}, "
+             f"quantization {ckpt.quantization}",
              "architecture:"]
     lines += [f"  {k} = {json.dumps(v)}" for k, v in arch.to_attrs().items()]
     tok = ckpt.tokenizer_attrs()
@@ -151,7 +177,8 @@ def describe(ckpt: Checkpoint) -> str:
     for name, shape in shapes.items():
         n = int(np.prod(shape))
         total += n
-        lines.append(f"  {name:40s} {str(list(shape)):>16s} {ckpt.dtype}")
+        kind = (str(ckpt.file[f"{name}.q"].attrs["mode"]) if is_stored_quantized(ckpt.file, name) else ckpt.dtype)
+        lines.append(f"  {name:40s} {str(list(shape)):>16s} {kind}")
     lines.append(f"parameters: {total:,}")
     lines.append("check: OK (format, version, architecture, every tensor's shape and dtype)")
     return "\n".join(lines)

@@ -49,14 +49,23 @@ _LAYER_TENSORS = {
 _TRANSPOSED = ("attn.o.weight", "mlp.down.weight")
 
 
-def convert_gguf(src: str, out: str, dtype: str = "float32") -> ModelArch:
-    """Convert the GGUF file `src` into the checkpoint `out` (written atomically); return its architecture."""
+def convert_gguf(src: str, out: str, dtype: str = "float32", quantize: str = "none", group_size: int = 64,
+                 keep_quantized: bool = False) -> ModelArch:
+    """Convert the GGUF file `src` into the checkpoint `out` (written atomically); return its architecture.
+    keep_quantized: Q4_1 and Q8_0 matrices are stored as they are (quant/formats.py, modes q4_1 and q8_0), the rest
+    dequantized; quantize = "int8" | "int4" re-quantizes the dequantized matrices instead."""
+    if keep_quantized and quantize != "none":
+        raise CheckpointError("--keep-quantized keeps the GGUF's own blocks; it cannot be combined with --quantize")
     gguf_file = GgufFile(src)
     arch = _read_arch(gguf_file)
     sources = _map_tensors(gguf_file, arch)
     tokenizer = read_tokenizer(gguf_file)
-    with CheckpointWriter(out, arch, dtype) as writer:
+    with CheckpointWriter(out, arch, dtype, "gguf" if keep_quantized else quantize, group_size) as writer:
         for name, tensor in sources.items():
+            kept = _kept_blocks(gguf_file, name, tensor, arch) if keep_quantized else None
+            if kept is not None:
+                writer.add_quantized(name, kept)
+                continue
             writer.add(name, _to_canonical(name, _dequantize(gguf_file, tensor), arch))
         if tokenizer is not None:
             writer.set_tokenizer(**tokenizer)
@@ -221,6 +230,26 @@ def _dequantize(f: GgufFile, tensor, probe: bool = False) -> np.ndarray:
         return values
     shape = tuple(int(n) for n in reversed(tensor.shape))
     return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def _kept_blocks(f: GgufFile, name: str, tensor, arch: ModelArch):
+    """A Q4_1 / Q8_0 matrix as a QuantizedTensor in compute layout [out, in] (GGUF's numpy order already is), its
+    Q/K rows un-permuted like the float path; None for other types and tensors (they are dequantized)."""
+    from ..quant.formats import from_gguf_q4_1, from_gguf_q8_0, slice_rows
+    from ..quant.storage import is_quantizable
+
+    kind = tensor.tensor_type.name
+    if kind not in ("Q4_1", "Q8_0") or not is_quantizable(name):
+        return None
+    rows, cols = (int(n) for n in reversed(tensor.shape))
+    raw = np.asarray(tensor.data).reshape(-1)
+    qt = (from_gguf_q4_1 if kind == "Q4_1" else from_gguf_q8_0)(raw, rows, cols)
+    heads = (arch.num_heads if name.endswith("attn.q.weight") else
+             arch.num_kv_heads if name.endswith("attn.k.weight") else None)
+    if heads is not None:                                  # permuting whole rows keeps every group intact
+        order = _unpermute_rows(np.arange(rows)[:, None], heads)[:, 0]
+        qt = slice_rows(qt, order)
+    return qt
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

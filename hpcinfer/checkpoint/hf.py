@@ -26,8 +26,10 @@ from .writer import CheckpointWriter
 SUPPORTED = ("gpt2", "opt", "gpt_neox", "llama", "mixtral")
 
 
-def convert_hf(folder: str, out: str, dtype: str = "float32") -> ModelArch:
-    """Convert the Hugging Face model in `folder` into the checkpoint `out` stored as `dtype`; return its arch."""
+def convert_hf(folder: str, out: str, dtype: str = "float32", quantize: str = "none",
+               group_size: int = 64) -> ModelArch:
+    """Convert the Hugging Face model in `folder` into the checkpoint `out` stored as `dtype` (matrices quantized
+    when quantize = "int8" | "int4", docs/quantization.md); return its arch."""
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
     folder = os.fspath(folder)
@@ -49,7 +51,7 @@ def convert_hf(folder: str, out: str, dtype: str = "float32") -> ModelArch:
     except ValueError as exc:
         raise CheckpointError(f"{config_path}: unsupported {model_type} configuration: {exc}") from None
     tokenizer = tokenizer_files(folder, bos, eos)
-    with WeightSource(folder) as src, CheckpointWriter(out, arch, dtype) as writer:
+    with WeightSource(folder) as src, CheckpointWriter(out, arch, dtype, quantize, group_size) as writer:
         for name, array in tensors_of(arch, config, src):
             writer.add(name, array)
         if tokenizer is not None:

@@ -10,6 +10,8 @@ import h5py
 
 from ..errors import CheckpointError
 from ..model.arch import ModelArch, tensor_shapes
+from ..quant.formats import DEFAULT_GROUP, QuantError, quantize
+from ..quant.storage import QUANTIZATIONS, is_quantizable, is_row_parallel, write_quantized
 from .format import DTYPES, FORMAT_NAME, FORMAT_VERSION, to_storage
 
 
@@ -21,10 +23,16 @@ class CheckpointWriter:
     A failure inside the block leaves no output file behind; success checks that every tensor was written.
     """
 
-    def __init__(self, path: str, arch: ModelArch, dtype: str = "float32"):
+    def __init__(self, path: str, arch: ModelArch, dtype: str = "float32", quantize: str = "none",
+                 group_size: int = DEFAULT_GROUP):
+        """quantize: "int8" | "int4" stores every quantizable matrix (quant/storage.py) in that mode as `add` gets
+        it; "gguf" marks a file whose matrices come quantized through `add_quantized`."""
         if dtype not in DTYPES:
             raise CheckpointError(f"--dtype {dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
+        if quantize not in QUANTIZATIONS:
+            raise CheckpointError(f"--quantize {quantize!r} is not allowed; choose one of {', '.join(QUANTIZATIONS)}")
         self.path, self.arch, self.dtype = path, arch, dtype
+        self.quantize, self.group_size = quantize, group_size
         self.expected = tensor_shapes(arch)
         self.written: set[str] = set()
         self.tmp_path = f"{path}.tmp.{os.getpid()}"
@@ -36,6 +44,7 @@ class CheckpointWriter:
         self.file.attrs["format"] = FORMAT_NAME
         self.file.attrs["format_version"] = FORMAT_VERSION
         self.file.attrs["dtype"] = self.dtype
+        self.file.attrs["quantization"] = self.quantize
         for key, value in self.arch.to_attrs().items():
             self.file.attrs[key] = np.asarray(value, dtype=np.int64) if key == "eos_token_ids" else value
         return self
@@ -48,9 +57,29 @@ class CheckpointWriter:
             raise CheckpointError(f"tensor '{name}' has shape {tuple(array.shape)}, expected {self.expected[name]}")
         if name in self.written:
             raise CheckpointError(f"tensor '{name}' written twice")
+        if self.quantize in ("int8", "int4") and is_quantizable(name):
+            compute = array.T if is_row_parallel(name) else array            # [out, in]
+            try:
+                qt = quantize(compute, self.quantize, self.group_size)
+            except QuantError as exc:
+                raise CheckpointError(f"--quantize {self.quantize}: tensor '{name}': {exc}") from None
+            self.add_quantized(name, qt)
+            return
         ds = self.file.create_dataset(name, data=to_storage(array, self.dtype))
         if self.dtype == "bfloat16":
             ds.attrs["dtype"] = "bfloat16"
+        self.written.add(name)
+
+    def add_quantized(self, name: str, qt) -> None:
+        """Store a QuantizedTensor (compute layout [out, in]) for the tensor `name`."""
+        shape = self.expected.get(name)
+        if shape is None or not is_quantizable(name):
+            raise CheckpointError(f"tensor '{name}' cannot be stored quantized")
+        if tuple(qt.shape) != (shape[::-1] if is_row_parallel(name) else shape):
+            raise CheckpointError(f"quantized tensor '{name}' has shape {qt.shape}, expected {shape} (stored)")
+        if name in self.written:
+            raise CheckpointError(f"tensor '{name}' written twice")
+        write_quantized(self.file, name, qt, shape)
         self.written.add(name)
 
     def set_tokenizer(self, tokenizer_json: str, chat_template: str | None = None,

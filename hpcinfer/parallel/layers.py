@@ -12,6 +12,8 @@ import math
 import numpy as np
 
 from ..comm.mappings import gather_from_tp, reduce_from_tp
+from ..quant.formats import concat_rows, pad_rows
+from ..quant.storage import load_matrix
 
 
 def weight_dtype(name: str) -> np.dtype:
@@ -38,6 +40,16 @@ def vocab_shard(vocab: int, parts: int, index: int) -> tuple[int, int, int]:
     return start, min(start + per, vocab), per
 
 
+def weight_bytes(layer) -> int:
+    """Bytes of weights a sharded layer holds (quantized arrays, or the float matrix)."""
+    q = getattr(layer, "qw", None) or getattr(layer, "qtable", None)
+    if q is not None:
+        return q.nbytes
+    w = getattr(layer, "w", None)
+    w = getattr(layer, "table", None) if w is None else w
+    return 0 if w is None else int(w.nbytes)
+
+
 class Replicated:
     """A tensor every rank holds whole (norm weights, biases of row-parallel layers, position tables)."""
 
@@ -59,16 +71,23 @@ class ColumnParallelLinear:
         self.bias, self.dtype = bias, weight_dtype(dtype)
         self.local_sizes = [n // tp.size for n in out_sizes]
         self.w = self.b = None                                    # w [sum(local_sizes), in]
+        self.qw = None                                            # a QuantizedTensor instead of w, when quantized
 
     def load(self, ckpt):
         rows = [even_shard(n, self.tp.size, self.tp.rank) for n in self.out_sizes]
-        w = np.concatenate([ckpt.read(f"{name}.weight", r) for name, r in zip(self.names, rows)])
-        self.w = self.ops.asarray(w.astype(self.dtype, copy=False))
+        parts = [load_matrix(ckpt, f"{name}.weight", rows=r) for name, r in zip(self.names, rows)]
+        if all(p is not None for p in parts):
+            self.qw = concat_rows(parts)
+        else:
+            w = np.concatenate([ckpt.read(f"{name}.weight", r) for name, r in zip(self.names, rows)])
+            self.w = self.ops.asarray(w.astype(self.dtype, copy=False))
         if self.bias:
             b = np.concatenate([ckpt.read(f"{name}.bias", r) for name, r in zip(self.names, rows)])
             self.b = self.ops.asarray(b.astype(np.float32, copy=False))
 
     def __call__(self, x):                                        # x [T, in] -> [T, sum(local_sizes)]
+        if self.qw is not None:
+            return self.ops.linear_q(x, self.qw, self.b)
         return self.ops.linear(x, self.w, self.b)
 
 
@@ -79,16 +98,21 @@ class RowParallelLinear:
         self.ops, self.tp, self.name, self.in_size = ops, tp, name, in_size
         self.bias, self.dtype = bias, weight_dtype(dtype)
         self.w = self.b = None                                    # w [out, in_local]
+        self.qw = None                                            # a QuantizedTensor [out, in_local] instead
 
     def load(self, ckpt):
         rows = even_shard(self.in_size, self.tp.size, self.tp.rank)
-        block = ckpt.read(f"{self.name}.weight", rows)            # stored [in_local, out]
-        self.w = self.ops.asarray(block.T.astype(self.dtype, copy=False))     # [out, in_local], contiguous
+        self.qw = load_matrix(ckpt, f"{self.name}.weight", cols=rows,        # groups never cross the shard
+                              row_max=lambda m: self.tp.all_gather(np.ascontiguousarray(m)).max(axis=0))
+        if self.qw is None:
+            block = ckpt.read(f"{self.name}.weight", rows)            # stored [in_local, out]
+            self.w = self.ops.asarray(block.T.astype(self.dtype, copy=False))     # [out, in_local], contiguous
         if self.bias:
             self.b = self.ops.asarray(ckpt.read(f"{self.name}.bias").astype(np.float32, copy=False))
 
     def __call__(self, x):                                        # x [T, in_local] -> [T, out]
-        y = reduce_from_tp(self.ops.linear(x, self.w), self.tp)
+        local = self.ops.linear(x, self.w) if self.qw is None else self.ops.linear_q(x, self.qw)
+        y = reduce_from_tp(local, self.tp)
         if self.b is not None:
             y += self.b
         return y
@@ -102,22 +126,30 @@ class VocabParallelEmbedding:
         self.dtype = weight_dtype(dtype)
         self.start, self.stop, self.rows = vocab_shard(vocab, tp.size, tp.rank)
         self.table = None                                         # [Vs, D], zero rows past `stop`
+        self.qtable = None                                        # a QuantizedTensor [Vs, D] instead, when quantized
 
     def load(self, ckpt):
+        qt = load_matrix(ckpt, self.name, rows=slice(self.start, self.stop))
+        if qt is not None:
+            self.qtable = pad_rows(qt, self.rows)
+            return
         block = ckpt.read(self.name, slice(self.start, self.stop)).astype(self.dtype)
         if block.shape[0] < self.rows:
             block = np.concatenate([block, np.zeros((self.rows - block.shape[0], block.shape[1]), self.dtype)])
         self.table = self.ops.asarray(block)
 
     def embed(self, ids):                                         # ids [T] (host ints) -> [T, D]
+        lookup = (self.ops.embedding if self.qtable is None else
+                  lambda _, rows: self.ops.embedding_q(self.qtable, rows))
         if self.tp.size == 1:
-            return self.ops.embedding(self.table, ids)
+            return lookup(self.table, ids)
         local = ids - self.start
         mine = (local >= 0) & (local < self.stop - self.start)
-        out = self.ops.embedding(self.table, np.where(mine, local, 0))
+        out = lookup(self.table, np.where(mine, local, 0))
         out[~mine] = 0.0
         return reduce_from_tp(out, self.tp)
 
     def logits(self, x):                                          # x [S, D] -> [S, V] on every tp rank
-        local = self.ops.linear(x, self.table)                    # [S, Vs]
+        local = (self.ops.linear(x, self.table) if self.qtable is None else
+                 self.ops.linear_q(x, self.qtable))               # [S, Vs]
         return gather_from_tp(local, self.tp, self.ops.xp)[:, :self.vocab]

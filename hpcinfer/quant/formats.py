@@ -86,8 +86,11 @@ def group_for(mode: str, in_size: int, group_size: int) -> int:
     return g
 
 
-def quantize(w: np.ndarray, mode: str, group_size: int = DEFAULT_GROUP) -> QuantizedTensor:
-    """w [O, I] float -> QuantizedTensor. Round to nearest: |w - dequantize(q)| <= scale / 2 per element."""
+def quantize(w: np.ndarray, mode: str, group_size: int = DEFAULT_GROUP,
+             row_absmax: np.ndarray | None = None) -> QuantizedTensor:
+    """w [O, I] float -> QuantizedTensor. Round to nearest: |w - dequantize(q)| <= scale / 2 per element.
+    row_absmax [O] (int8 only): the max |w| of each whole row when w is one tp shard of the row's inputs, so that
+    every shard uses the scale the whole matrix would have."""
     w = np.asarray(w, dtype=F32)
     if w.ndim != 2:
         raise QuantError(f"quantize takes a matrix [out, in], got shape {w.shape}")
@@ -97,7 +100,8 @@ def quantize(w: np.ndarray, mode: str, group_size: int = DEFAULT_GROUP) -> Quant
     groups = w.reshape(rows, cols // g, g)                                    # [O, G, g]
     if symmetric:
         top = (1 << (bits - 1)) - 1                                           # 127
-        scale = np.abs(groups).max(axis=-1) / F32(top)                        # [O, G]
+        peak = np.abs(groups).max(axis=-1) if row_absmax is None else np.asarray(row_absmax, F32)[:, None]
+        scale = (peak / F32(top)).astype(F32)                                 # [O, G]
         safe = np.where(scale > 0, scale, F32(1))
         q = np.clip(np.rint(groups / safe[..., None]), -top, top).astype(np.int8).reshape(rows, cols)
         return QuantizedTensor(mode, q, scale.astype(F32), None, g)

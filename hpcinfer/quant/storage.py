@@ -56,20 +56,23 @@ def read_quantized(file, name: str, rows: slice | None = None, cols: slice | Non
     q = file[f"{name}.q"]
     mode, g = str(q.attrs["mode"]), int(q.attrs["group_size"])
     has_min = f"{name}.min" in file
-    whole = QuantizedTensor(mode, q, file[f"{name}.scale"], file[f"{name}.min"] if has_min else None, g)
+    # a lazy view: h5py datasets slice like arrays, so slice_rows / slice_cols read just the block
+    lazy = QuantizedTensor(mode, q, file[f"{name}.scale"], file[f"{name}.min"] if has_min else None, g)
     if rows is not None:
-        part = slice_rows(whole, rows)
+        part = slice_rows(lazy, rows)
     elif cols is not None:
         try:
-            part = slice_cols(whole, cols)
+            part = slice_cols(lazy, cols)
         except QuantError as exc:
             raise CheckpointError(f"tensor '{name}': {exc}; use a tp degree whose shards hold whole groups") from None
     else:
-        part = whole
-    return QuantizedTensor(mode, np.asarray(part.q[()] if rows is None and cols is None else part.q),
-                           np.asarray(part.scale[()] if part.scale is whole.scale else part.scale, dtype=np.float32),
-                           None if part.min is None else np.asarray(
-                               part.min[()] if part.min is whole.min else part.min, dtype=np.float32),
+        part = lazy
+
+    def load(a):
+        return np.asarray(a[()] if hasattr(a, "id") else a)          # an h5py Dataset has .id, an array not
+
+    return QuantizedTensor(mode, load(part.q), load(part.scale).astype(np.float32, copy=False),
+                           None if part.min is None else load(part.min).astype(np.float32, copy=False),
                            part.group_size)
 
 
@@ -88,10 +91,12 @@ def configure(ckpt, mode: str, group_size: int = DEFAULT_GROUP) -> None:
     ckpt.load_quant = None if mode == "none" else (mode, group_size)
 
 
-def load_matrix(ckpt, name: str, rows: slice | None = None, cols: slice | None = None):
+def load_matrix(ckpt, name: str, rows: slice | None = None, cols: slice | None = None, row_max=None):
     """A layer's weight block as a QuantizedTensor in compute layout [out, in] when the checkpoint stores it
     quantized or `[model] quantize` asks for it; None when it stays float (the caller reads it as before).
-    rows: block of output rows (column-parallel, vocabulary); cols: block of input rows (row-parallel)."""
+    rows: block of output rows (column-parallel, vocabulary); cols: block of input rows (row-parallel).
+    row_max (row-parallel): combines the per-row max |w| of every tp shard [O] -> [O] (max over the tp group), so
+    an int8 row scale quantized at load is the same at every tp degree."""
     file = getattr(ckpt, "file", None)
     if file is not None and is_stored_quantized(file, name):
         return read_quantized(file, name, rows, cols)
@@ -103,8 +108,10 @@ def load_matrix(ckpt, name: str, rows: slice | None = None, cols: slice | None =
         w = ckpt.read(name, cols).T                                  # stored [in_local, out] -> [out, in_local]
     else:
         w = ckpt.read(name, rows)
+    w = np.asarray(w, dtype=np.float32)
+    absmax = row_max(np.abs(w).max(axis=1)) if (row_max is not None and mode == "int8") else None
     try:
-        return quantize(np.asarray(w, dtype=np.float32), mode, group_size)
+        return quantize(w, mode, group_size, absmax)
     except QuantError as exc:
         where = f" (this rank's tp shard of {ckpt.shape(name)[0]} input rows)" if cols is not None else ""
         raise ConfigError(f"[model] quantize = {mode!r}, tensor '{name}'{where}: {exc}") from None

@@ -1,0 +1,510 @@
+"""Weight offload and the offloaded schedules (hpcinfer/offload/), in one process on the NumPy backend.
+
+The model is built as `hpcinfer run` builds it (runtime._weight_tiers: the Decoder's blocks placed in their tiers as
+they load) and generation runs as the job runs it (job._offloaded_batch: the row or zig-zag schedule of
+`[offload]`). Presets give the weights: "tiny-dense" (4 GPT-2 style layers of 195 KiB), a 12-layer stand-in of
+it, and "tiny-moe" (experts in layers 1 and 3): no file, no torch.
+
+What must hold:
+- under every placement and schedule, greedy tokens are exactly those of the all-on-device run;
+- accounting: the device weight bytes never exceed the resident layers + (prefetch_layers + 1) streamed layers;
+  a model several times larger than the device budget runs within it;
+- the disk tier is files, one per tensor, read back during the run; disk layers have no host copy;
+- zig-zag fetches each streamed layer once per token step for the whole block, row once per GPU batch per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcinfer.backend.numpy_ops import NumpyOps
+from hpcinfer.checkpoint.presets import PRESETS, PresetSource
+from hpcinfer.comm.group import Groups
+from hpcinfer.config import OffloadSection, load_config
+from hpcinfer.errors import ConfigError
+from hpcinfer.generate.engine import GenerationParams, StepTimes, generate_batch
+from hpcinfer.generate.schedule import micro_batches
+from hpcinfer.job import _offloaded_batch
+from hpcinfer.model.transformer import Decoder
+from hpcinfer.offload import zigzag
+from hpcinfer.offload.budget import check_budgets, plan_bytes
+from hpcinfer.offload.tiers import WeightTiers, layer_tensors, place_layers
+from hpcinfer.parallel.stages import partition_layers
+from hpcinfer.runtime import _weight_tiers
+
+PROMPT_LENGTHS = (3, 9, 1, 14, 6, 11, 4, 7)
+MAX_NEW = 6
+N = len(PROMPT_LENGTHS)
+GREEDY = GenerationParams(MAX_NEW, ignore_eos=True)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def preset(name: str, layers: int | None = None) -> PresetSource:
+    """A preset's random weights; `layers` narrows or deepens a dense preset (the same init rules)."""
+    arch = PRESETS[name]
+    if layers is not None:
+        arch = dataclasses.replace(arch, num_layers=layers)
+    return PresetSource(f"{name}-{layers or arch.num_layers}", arch)
+
+
+def build(source: PresetSource, off: OffloadSection | None = None) -> Decoder:
+    """The model as runtime._run builds it: tiers from [offload] (None when inactive), placed block by block."""
+    ops = NumpyOps()
+    model = Decoder(ops, Groups(), source.arch, "float32")
+    if off is not None:
+        model.weights = _weight_tiers(types.SimpleNamespace(offload=off), model, ops, 0)
+    model.load(source, after_block=model.weights.place if model.weights is not None else None)
+    return model
+
+
+def generate(model: Decoder, prompts: list, off: OffloadSection | None = None, params=GREEDY):
+    """Generation as job.generate_share runs one batch: offloaded (row or zig-zag) when [offload] is active."""
+    times = StepTimes()
+    if off is not None and off.active:
+        out = _offloaded_batch(model, prompts, list(range(len(prompts))), params, times, off)
+    else:
+        out = generate_batch(model, prompts, list(range(len(prompts))), params, times)
+    if model.weights is not None:
+        model.weights.close()
+    return out, times
+
+
+def offload(tmp_path: Path | None = None, **keys) -> OffloadSection:
+    """An [offload] section, validated as a config file would be; disk_dir under tmp_path when disk is used."""
+    off = OffloadSection(**keys)
+    if off.weights_gpu + off.weights_cpu < 100 and off.disk_dir is None:
+        off = dataclasses.replace(off, disk_dir=str(tmp_path / "disk"))
+    assert off.weights_gpu + off.weights_cpu <= 100 and off.cache_gpu + off.cache_cpu <= 100
+    return off
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, 256, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def dense_reference(prompts):
+    """All on the device, no [offload]: the tokens every placement must give."""
+    out, _ = generate(build(preset("tiny-dense")), prompts)
+    assert all(len(tokens) == MAX_NEW for tokens, _ in out)
+    assert len({tuple(tokens) for tokens, _ in out}) == N                   # the tokens vary
+    return out
+
+
+@pytest.fixture
+def fetch_log(monkeypatch):
+    """Instrumented WeightTiers: after every fetch, (layer, device_bytes, peak_bytes); every read, (layer,
+    thread name). Returns {'fetch': [...], 'read': [...], 'tiers': [the WeightTiers made]}."""
+    log = {"fetch": [], "read": [], "tiers": []}
+    lock = threading.Lock()
+    fetch, read, init = WeightTiers.fetch, WeightTiers._read, WeightTiers.__init__
+
+    def logged_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        log["tiers"].append(self)
+
+    def logged_fetch(self, i):
+        fetch(self, i)
+        with self.lock:
+            log["fetch"].append((i, self.device_bytes, self.peak_bytes))
+
+    def logged_read(self, i):
+        with lock:
+            log["read"].append((i, threading.current_thread().name))
+        return read(self, i)
+
+    monkeypatch.setattr(WeightTiers, "__init__", logged_init)
+    monkeypatch.setattr(WeightTiers, "fetch", logged_fetch)
+    monkeypatch.setattr(WeightTiers, "_read", logged_read)
+    return log
+
+
+def window_bound(tiers: WeightTiers) -> int:
+    """Resident layers + the (prefetch_layers + 1) largest streamed layers: the most the device may hold."""
+    resident = sum(b for b, t in zip(tiers.layer_bytes, tiers.tiers) if t == "device")
+    streamed = sorted((b for b, t in zip(tiers.layer_bytes, tiers.tiers) if t != "device"), reverse=True)
+    return resident + sum(streamed[:tiers.prefetch_layers + 1])
+
+
+# ------------------------------------------------------------------------------------------------- placement
+
+def test_place_layers_puts_device_then_host_then_disk_layers():
+    assert place_layers(4, 100, 0) == ["device"] * 4
+    assert place_layers(4, 0, 100) == ["host"] * 4
+    assert place_layers(4, 0, 0) == ["disk"] * 4
+    assert place_layers(4, 25, 25) == ["device", "host", "disk", "disk"]
+    assert place_layers(10, 20, 30) == ["device"] * 2 + ["host"] * 3 + ["disk"] * 5
+    assert place_layers(30, 20, 30) == ["device"] * 6 + ["host"] * 9 + ["disk"] * 15      # SmolLM2
+    for n in (1, 3, 7, 30):
+        for gpu, cpu in ((33, 33), (50, 50), (10, 0), (0, 70)):
+            assert len(place_layers(n, gpu, cpu)) == n
+
+
+# Named placements of the issue, each on the dense preset: [offload] keys.
+PLACEMENTS = {
+    "all-on-device-zigzag": dict(schedule="zigzag", num_gpu_batches=2),
+    "all-on-device-row-device-budget": dict(device_memory="1GB"),
+    "weights-host-row": dict(weights_gpu=0, weights_cpu=100),
+    "weights-host-zigzag": dict(weights_gpu=0, weights_cpu=100, schedule="zigzag", num_gpu_batches=4),
+    "weights-disk-row": dict(weights_gpu=0, weights_cpu=0),
+    "weights-disk-zigzag": dict(weights_gpu=0, weights_cpu=0, schedule="zigzag", num_gpu_batches=2),
+    "mixed-25-25-50": dict(weights_gpu=25, weights_cpu=25),
+    "mixed-20-30-50-zigzag": dict(weights_gpu=20, weights_cpu=30, schedule="zigzag", num_gpu_batches=2),
+    "mixed-50-50": dict(weights_gpu=50, weights_cpu=50, schedule="zigzag", num_gpu_batches=4),
+    "cache-host": dict(weights_gpu=0, weights_cpu=100, cache_gpu=0, cache_cpu=100, schedule="zigzag",
+                       num_gpu_batches=2),
+    "cache-host-cpu-attention": dict(weights_gpu=0, weights_cpu=100, cache_gpu=0, cache_cpu=100,
+                                     schedule="zigzag", num_gpu_batches=2, cpu_attention=True),
+    "cache-half-host": dict(weights_gpu=25, weights_cpu=25, cache_gpu=50, cache_cpu=50, schedule="zigzag",
+                            num_gpu_batches=4),
+    "cache-half-host-cpu-attention": dict(weights_gpu=25, weights_cpu=25, cache_gpu=50, cache_cpu=50,
+                                          schedule="zigzag", num_gpu_batches=4, cpu_attention=True),
+    "gpu-batch-size-given": dict(weights_gpu=0, weights_cpu=100, schedule="zigzag", gpu_batch_size=2,
+                                 num_gpu_batches=4),
+}
+
+
+@pytest.mark.parametrize("keys", PLACEMENTS.values(), ids=PLACEMENTS.keys())
+def test_every_placement_gives_the_tokens_of_the_all_on_device_run(prompts, dense_reference, tmp_path, keys,
+                                                                   fetch_log):
+    off = offload(tmp_path, **keys)
+    assert off.active
+    model = build(preset("tiny-dense"), off)
+    out, times = generate(model, prompts, off)
+    assert out == dense_reference
+    tiers = model.weights
+    assert tiers.tiers == place_layers(4, off.weights_gpu, off.weights_cpu)
+    assert tiers.peak_bytes <= window_bound(tiers)
+    assert (tiers.bytes_from_host > 0) == ("host" in tiers.tiers)
+    assert (tiers.bytes_from_disk > 0) == ("disk" in tiers.tiers)
+    assert times.generated_tokens == N * MAX_NEW
+    if off.cache_gpu < 100 and off.schedule == "zigzag" and not off.cpu_attention:
+        assert times.kv_bytes_to_host > 0 and times.kv_bytes_to_device > 0            # the cache really moves
+
+
+SCHEDULES = [(schedule, k, prefetch) for schedule in ("row", "zigzag") for k in (1, 2, 4) for prefetch in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("schedule, num_gpu_batches, prefetch", SCHEDULES,
+                         ids=[f"{s}-k{k}-prefetch{p}" for s, k, p in SCHEDULES])
+def test_schedules_and_prefetch_depths_give_the_same_tokens_within_the_window(prompts, dense_reference, tmp_path,
+                                                                              fetch_log, schedule,
+                                                                              num_gpu_batches, prefetch):
+    """Mixed placement (1 layer on the device, 1 in host memory, 2 on disk), every schedule x block x prefetch:
+    the same tokens, and after every fetch the device holds at most resident + (prefetch + 1) streamed layers."""
+    off = offload(tmp_path, weights_gpu=25, weights_cpu=25, schedule=schedule, num_gpu_batches=num_gpu_batches,
+                  prefetch_layers=prefetch)
+    model = build(preset("tiny-dense"), off)
+    out, _ = generate(model, prompts, off)
+    assert out == dense_reference
+    tiers = model.weights
+    bound = window_bound(tiers)
+    assert fetch_log["fetch"], "no fetch was made"
+    assert all(device <= bound and peak <= bound for _, device, peak in fetch_log["fetch"])
+    assert tiers.peak_bytes <= bound
+    resident = tiers.layer_bytes[0]
+    assert tiers.peak_bytes >= resident + tiers.layer_bytes[1]                  # a streamed layer was there
+    if prefetch == 0:                                                           # exactly one streamed layer
+        assert tiers.peak_bytes == resident + max(tiers.layer_bytes[1:])
+        assert all(name == threading.main_thread().name for _, name in fetch_log["read"])
+    else:                                                                       # reads ran ahead, on threads
+        assert any(name != threading.main_thread().name for _, name in fetch_log["read"])
+    assert tiers.device_bytes == resident                                        # every streamed layer released
+
+
+def test_early_stopping_at_eos_is_the_same_under_offload(prompts, tmp_path):
+    """Sequences that stop early leave their GPU batch (zig-zag) or batch (row) while the others go on."""
+    source = preset("tiny-dense")
+    free, _ = generate(build(source), prompts)
+    eos = free[0][0][2]                                         # a token some sequences produce mid-way
+    source.arch = dataclasses.replace(source.arch, eos_token_ids=(eos,))
+    params = GenerationParams(MAX_NEW, ignore_eos=False)
+    reference, _ = generate(build(source), prompts, params=params)
+    lengths = [len(t) for t, _ in reference]
+    assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths          # some stop, some run on
+    for schedule in ("row", "zigzag"):
+        off = offload(tmp_path / schedule, weights_gpu=0, weights_cpu=50, schedule=schedule, num_gpu_batches=4)
+        out, _ = generate(build(source, off), prompts, off, params=params)
+        assert out == reference, schedule
+
+
+# ------------------------------------------------------------------------------------------------ accounting
+
+def config_for(tmp_path: Path, **offload_keys):
+    """A job config with this [offload] (the preset name is only for validation; the arch is passed apart)."""
+    lines = [f"{k} = {v!r}".replace("'", '"') if isinstance(v, str) else
+             f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in offload_keys.items()]
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\npreset = "tiny-dense"\n\n'
+                    f'[generate]\nprompts = "p.jsonl"\noutput = "o.jsonl"\nmax_new_tokens = {MAX_NEW}\n'
+                    f"batch_size = {N}\n\n[offload]\n" + "\n".join(lines) + "\n")
+    return load_config(str(path))
+
+
+def test_a_model_several_times_the_device_budget_runs_within_it(prompts, tmp_path, fetch_log):
+    """12 layers of tiny-dense (2.4 MB of layers) with a device budget that holds the embedding table and one
+    streamed layer but not two (KV cache in host memory, zig-zag, no prefetch): the plan passes the budget check,
+    prefetching one layer more does not, the run stays under the budget, and the tokens are those of the
+    all-on-device run."""
+    source = preset("tiny-dense", layers=12)
+    arch = source.arch
+    reference, _ = generate(build(source), prompts)
+    keys = dict(weights_gpu=0, weights_cpu=50, disk_dir=str(tmp_path / "disk"), prefetch_layers=0,
+                schedule="zigzag", num_gpu_batches=4, cache_gpu=0, cache_cpu=100)
+    stages = partition_layers(arch, 1)
+    plan = plan_bytes(arch, config_for(tmp_path, **keys), stages[0], list(PROMPT_LENGTHS))
+    budget = int(plan["device"] + plan["parts"]["streaming window"] // 2)       # 1.5 layers + the tables
+    model_bytes = arch.param_count() * 4
+    assert model_bytes >= 4 * budget, (model_bytes, budget)                     # the model is 4x+ the budget
+    config = config_for(tmp_path, **keys, device_memory=budget)
+    check_budgets(arch, config, stages, list(PROMPT_LENGTHS))
+    with pytest.raises(ConfigError, match="streaming window"):                  # two layers do not fit
+        check_budgets(arch, config_for(tmp_path, **{**keys, "prefetch_layers": 1}, device_memory=budget), stages,
+                      list(PROMPT_LENGTHS))
+
+    model = build(source, config.offload)
+    out, _ = generate(model, prompts, config.offload)
+    assert out == reference
+    tiers = model.weights
+    layer = tiers.layer_bytes[0]
+    assert tiers.layer_bytes == [layer] * 12
+    assert tiers.peak_bytes == layer                                             # one layer at a time
+    assert max(device for _, device, _ in fetch_log["fetch"]) == layer
+    outside = sum(int(getattr(h, k).nbytes) for part in (model.embed, model.positions, model.final_norm)
+                  for h, k in layer_tensors(part))                               # tables, positions, final norm
+    assert outside > arch.vocab_size * arch.hidden_size * 4
+    assert tiers.peak_bytes + outside <= budget                                 # every weight on the device
+    assert len(fetch_log["read"]) == 12 * MAX_NEW                                 # every layer, every step
+
+
+def test_the_plan_puts_layers_in_the_tiers_the_run_uses(tmp_path):
+    """budget.plan_bytes and the WeightTiers agree on which layers are where (mixed: 1 device, 1 host, 2 disk)."""
+    source = preset("tiny-dense")
+    keys = dict(weights_gpu=25, weights_cpu=25, disk_dir=str(tmp_path / "disk"), prefetch_layers=2)
+    config = config_for(tmp_path, **keys)
+    plan = plan_bytes(source.arch, config, partition_layers(source.arch, 1)[0], list(PROMPT_LENGTHS))
+    tiers = build(source, config.offload).weights
+    assert tiers.tiers == ["device", "host", "disk", "disk"]
+    per_layer = plan["parts"]["resident layers"]                                # one resident layer
+    assert plan["host"] == per_layer and plan["disk"] == 2 * per_layer
+    assert plan["parts"]["streaming window"] == 3 * per_layer                   # prefetch 2 + the one in use
+    tiers.close()
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: budget.plan_bytes sizes layers with parallel.stages.layer_params "
+                   "(matrices only) while WeightTiers moves every tensor of a block (norm weights and biases "
+                   "too); its 'embedding tables' leave out the learned position table and the final norm: the "
+                   "plan underestimates the device peak, so a budget it accepts can be exceeded")
+def test_the_plan_counts_every_byte_the_tiers_hold(tmp_path):
+    source = preset("tiny-dense")
+    keys = dict(weights_gpu=25, weights_cpu=25, disk_dir=str(tmp_path / "disk"), prefetch_layers=2)
+    config = config_for(tmp_path, **keys)
+    plan = plan_bytes(source.arch, config, partition_layers(source.arch, 1)[0], list(PROMPT_LENGTHS))
+    tiers = build(source, config.offload).weights
+    tiers.close()
+    by_tier = {t: sum(b for b, x in zip(tiers.layer_bytes, tiers.tiers) if x == t) for t in ("device", "host",
+                                                                                            "disk")}
+    assert plan["parts"]["resident layers"] == by_tier["device"]
+    assert plan["parts"]["streaming window"] == 3 * tiers.layer_bytes[1]
+    assert plan["host"] == by_tier["host"] and plan["disk"] == by_tier["disk"]
+
+
+def test_the_budget_error_names_every_part(tmp_path):
+    source = preset("tiny-dense")
+    config = config_for(tmp_path, weights_gpu=50, weights_cpu=50, device_memory="100KB")
+    with pytest.raises(ConfigError) as info:
+        check_budgets(source.arch, config, partition_layers(source.arch, 1), list(PROMPT_LENGTHS))
+    message = str(info.value)
+    for part in ("device_memory = 100,000 bytes", "resident layers", "streaming window", "embedding tables",
+                 "KV cache"):
+        assert part in message, message
+    config = config_for(tmp_path, weights_gpu=0, weights_cpu=100, host_memory="1KB")
+    with pytest.raises(ConfigError, match="host_memory = 1,000 bytes .* on the host"):
+        check_budgets(source.arch, config, partition_layers(source.arch, 1), list(PROMPT_LENGTHS))
+
+
+# ------------------------------------------------------------------------------------------------------ disk
+
+def test_the_disk_tier_is_one_file_per_tensor_read_back_during_the_run(prompts, dense_reference, tmp_path,
+                                                                       fetch_log):
+    off = offload(tmp_path, weights_gpu=25, weights_cpu=0, schedule="zigzag", num_gpu_batches=2)
+    model = build(preset("tiny-dense"), off)
+    tiers = model.weights
+    assert tiers.tiers == ["device", "disk", "disk", "disk"]
+    rank_dir = Path(off.disk_dir) / "rank00000"                                 # runtime._weight_tiers' folder
+    files = sorted(rank_dir.iterdir())
+    expected = sorted(Path(p) for (layer, _), p in tiers.disk.items() if tiers.tiers[layer] == "disk")
+    assert files == expected
+    assert len(files) == sum(len(tiers.tensors[i]) for i in (1, 2, 3))         # one file per tensor
+    payload = sum(int(np.load(f, mmap_mode="r").nbytes) for f in files)
+    assert payload == sum(tiers.layer_bytes[1:])
+    # No copy of a disk layer anywhere but its files: not in the host store, not in the blocks.
+    assert tiers.host == {}
+    for i in (1, 2, 3):
+        assert all(getattr(holder, key) is None for holder, key in tiers.tensors[i])
+    held = sum(int(np.asarray(getattr(h, k)).nbytes) for h, k in tiers.tensors[0])
+    assert held == tiers.layer_bytes[0] < sum(tiers.layer_bytes) / 3
+
+    out, _ = generate(model, prompts, off)
+    assert out == dense_reference
+    assert tiers.bytes_from_host == 0
+    assert tiers.bytes_from_disk == MAX_NEW * sum(tiers.layer_bytes[1:])       # zig-zag: once per step
+    assert sorted({i for i, _ in fetch_log["read"]}) == [1, 2, 3]
+
+
+def test_disk_reads_go_through_a_memory_map(prompts, tmp_path, monkeypatch):
+    """`np.load(..., mmap_mode="r")`, never a whole-file read into a second buffer first."""
+    modes = []
+    load = np.load
+
+    def logged_load(path, *args, **kwargs):
+        modes.append(kwargs.get("mmap_mode"))
+        return load(path, *args, **kwargs)
+
+    off = offload(tmp_path, weights_gpu=0, weights_cpu=0)
+    model = build(preset("tiny-dense"), off)
+    monkeypatch.setattr(np, "load", logged_load)
+    generate(model, prompts[:2], off)
+    assert modes and set(modes) == {"r"}
+
+
+def test_host_memory_holds_only_the_host_layers(tmp_path):
+    """weights 0 / 30 / 70 over 10 layers: 3 layers in the host store, 7 as files; the host store is below a
+    third of the model."""
+    source = preset("tiny-dense", layers=10)
+    off = offload(tmp_path, weights_gpu=0, weights_cpu=30)
+    tiers = build(source, off).weights
+    assert tiers.tiers == ["host"] * 3 + ["disk"] * 7
+    host_bytes = sum(sum(int(a.nbytes) for a in (v if isinstance(v, list) else [v])) for v in tiers.host.values())
+    assert host_bytes == sum(tiers.layer_bytes[:3]) < source.arch.param_count() * 4 / 3
+    assert {layer for layer, _ in tiers.host} == {0, 1, 2}
+    assert {layer for layer, _ in tiers.disk} == set(range(3, 10))
+    tiers.close()
+
+
+# -------------------------------------------------------------------------------------------- fetch counts
+
+@pytest.mark.parametrize("num_gpu_batches", (1, 2, 4))
+def test_zigzag_loads_each_layer_once_per_step_row_once_per_gpu_batch(prompts, dense_reference, tmp_path,
+                                                                      fetch_log, num_gpu_batches):
+    """The bytes read from the host are k times larger row by row than zig-zag for k GPU batches."""
+    counts, moved = {}, {}
+    for schedule in ("row", "zigzag"):
+        off = offload(tmp_path, weights_gpu=0, weights_cpu=100, schedule=schedule, num_gpu_batches=num_gpu_batches)
+        fetch_log["read"].clear()
+        model = build(preset("tiny-dense"), off)
+        out, _ = generate(model, prompts, off)
+        assert out == dense_reference
+        counts[schedule] = {i: sum(1 for j, _ in fetch_log["read"] if j == i) for i in range(4)}
+        moved[schedule] = model.weights.bytes_from_host
+        layer_total = sum(model.weights.layer_bytes)
+    assert counts["zigzag"] == {i: MAX_NEW for i in range(4)}                   # once per token step
+    assert counts["row"] == {i: MAX_NEW * num_gpu_batches for i in range(4)}    # once per GPU batch per step
+    assert moved["zigzag"] == MAX_NEW * layer_total
+    assert moved["row"] == num_gpu_batches * moved["zigzag"]
+
+
+# ------------------------------------------------------------------------------------------------------- MoE
+
+MOE_CASES = {
+    "host-row": dict(weights_gpu=0, weights_cpu=100),
+    "disk-row-prefetch2": dict(weights_gpu=0, weights_cpu=0, prefetch_layers=2),
+    "mixed-zigzag-k1": dict(weights_gpu=25, weights_cpu=25, schedule="zigzag"),
+    "host-zigzag-k2": dict(weights_gpu=0, weights_cpu=100, schedule="zigzag", num_gpu_batches=2),
+    "disk-zigzag-k4-cache-host": dict(weights_gpu=0, weights_cpu=0, schedule="zigzag", num_gpu_batches=4,
+                                      cache_gpu=0, cache_cpu=100),
+    "mixed-row-k2-prefetch0": dict(weights_gpu=50, weights_cpu=25, num_gpu_batches=2, prefetch_layers=0),
+}
+
+
+@pytest.mark.parametrize("keys", MOE_CASES.values(), ids=MOE_CASES.keys())
+def test_moe_layers_stream_like_dense_ones(prompts, tmp_path, keys, fetch_log):
+    """tiny-moe: the expert stacks (lists of arrays) are streamed as one layer. With a capacity factor the tokens
+    a GPU batch routes depend on which sequences share the step, so the all-on-device reference runs the same GPU
+    batches (one generate_batch per group): the all-on-device answer of that block shape."""
+    source = preset("tiny-moe")
+    off = offload(tmp_path, **keys)
+    reference_model = build(source)
+    reference = []
+    for group in micro_batches(N, off.num_gpu_batches):
+        out, _ = generate(reference_model, [prompts[i] for i in group])
+        reference += out
+    model = build(source, off)
+    out, _ = generate(model, prompts, off)
+    assert out == reference
+    tiers = model.weights
+    experts = [i for i in range(4) if source.arch.experts_in(i)]
+    assert experts == [1, 3] and tiers.layer_bytes[1] > 4 * tiers.layer_bytes[0]          # experts dominate
+    stacks = [(i, n) for i in experts for n, (h, k) in enumerate(tiers.tensors[i])
+              if isinstance(getattr(h, k, None), list) or isinstance(tiers.host.get((i, n)), list) or
+              isinstance(tiers.disk.get((i, n)), list)]
+    assert stacks, "no expert stack was found among the layer's tensors"
+    assert tiers.peak_bytes <= window_bound(tiers)
+    assert all(device <= window_bound(tiers) for _, device, _ in fetch_log["fetch"])
+
+
+# --------------------------------------------------------------------------------------- known shortcomings
+
+@pytest.mark.xfail(strict=True, reason="BUG: zigzag allocates a device KVCache for every GPU batch of the block "
+                   "whatever cache_gpu says (offload/zigzag.py: caches = [KVCache(...) for b in batches]); "
+                   "HostKV is an extra host copy, so a host-resident cache does not leave the device, while "
+                   "budget.plan_bytes counts only cache_gpu% of it on the device")
+def test_a_host_resident_kv_cache_does_not_occupy_the_device(prompts, tmp_path, monkeypatch):
+    from hpcinfer.generate import kv_cache
+
+    allocated = []
+    init = kv_cache.KVCache.__init__
+
+    def logged(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        allocated.append(sum(int(a.nbytes) for a in self.k) + sum(int(a.nbytes) for a in self.v))
+
+    monkeypatch.setattr(zigzag.KVCache, "__init__", logged)
+    off = offload(tmp_path, weights_gpu=0, weights_cpu=100, cache_gpu=0, cache_cpu=100, schedule="zigzag",
+                  num_gpu_batches=4)
+    generate(build(preset("tiny-dense"), off), prompts, off)
+    assert len(allocated) == 4
+    # At most one GPU batch's cache (its working copy) may be on the device with cache_gpu = 0.
+    assert sum(allocated) <= max(allocated)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: cpu_attention only skips HostKV.load/store; attention still runs "
+                   "on the device KVCache (offload/zigzag.py), and the host copy is never written: there is no "
+                   "CPU delegation")
+def test_cpu_attention_keeps_the_cache_on_the_host(prompts, tmp_path, monkeypatch):
+    made = []
+    init = zigzag.HostKV.__init__
+
+    def logged(self, cache):
+        init(self, cache)
+        made.append(self)
+
+    monkeypatch.setattr(zigzag.HostKV, "__init__", logged)
+    off = offload(tmp_path, weights_gpu=0, weights_cpu=100, cache_gpu=0, cache_cpu=100, schedule="zigzag",
+                  num_gpu_batches=2, cpu_attention=True)
+    generate(build(preset("tiny-dense"), off), prompts, off)
+    assert len(made) == 2
+    assert all(np.abs(h.k[layer]).sum() > 0 for h in made for layer in range(4))      # keys written on the host
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: the row schedule (job._offloaded_batch) ignores cache_gpu / "
+                   "cache_cpu: the KV cache stays on the device, nothing moves, and no error says so, while "
+                   "budget.plan_bytes subtracts the host share from the device")
+def test_the_row_schedule_honours_the_cache_placement(prompts, tmp_path):
+    keys = dict(weights_gpu=0, weights_cpu=100, cache_gpu=0, cache_cpu=100, schedule="row")
+    try:
+        config = config_for(tmp_path, **keys)
+    except ConfigError:
+        return                                             # rejecting the combination is an answer too
+    _, times = generate(build(preset("tiny-dense"), config.offload), prompts, config.offload)
+    assert times.kv_bytes_to_host > 0 and times.kv_bytes_to_device > 0

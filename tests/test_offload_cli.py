@@ -1,0 +1,298 @@
+"""`hpcinfer run` with [offload], end to end in subprocesses: weights in host memory or on disk, row and zig-zag
+schedules, on 1 and 2 ranks (tp = 2, dp = 2), must write exactly what the run without offload writes; the
+metrics' "offload" section reports what moved; bad [offload] inputs fail once, clearly, before any weight is read.
+
+One tiny 4-layer Llama (tests/hf_models.py's llama_mha with 4 layers: 4 KV heads, so tp = 2 works; EOS stops some
+sequences early) is converted once per module; 8 prompts run in batches of 4 (two blocks; dp = 2 gives each
+replica one). MoE streaming runs on the "tiny-moe" preset with ep = 2 on 2 ranks.
+
+Not tested (not implemented yet): the issue's multi-rank partitioned fetch, where each of N ranks fetches 1/N of
+a layer and an all-gather assembles it; with tp = 2 each rank streams its own tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import h5py  # noqa: E402
+
+from hpcinfer.api import generate, load_model  # noqa: E402
+from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
+from hpcinfer.config import load_config  # noqa: E402
+from hpcinfer.offload.budget import plan_bytes  # noqa: E402
+from hpcinfer.parallel.stages import partition_layers  # noqa: E402
+
+VOCAB, LAYERS = 256, 4
+PROMPT_LENGTHS = (3, 9, 1, 14, 6, 11, 4, 7)
+BATCH = 4
+MAX_NEW = 6
+ERROR = "hpcinfer: error"
+BAD_TIMEOUT = 60
+HOST = ["offload.weights_gpu=0", "offload.weights_cpu=100"]
+
+
+def save_tiny_llama(folder: Path) -> str:
+    """tests/hf_models.py's llama_mha with 4 layers (as tests/test_pipeline_cli.py makes it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_models
+
+    config = hf_models._config("llama_mha")
+    config.num_hidden_layers = LAYERS
+    torch.manual_seed(hf_models.SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    hf_models._rescale(model)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return str(folder)
+
+
+class Job:
+    """The module's checkpoint, prompts and config; `run` runs `hpcinfer run` with --set overrides."""
+
+    def __init__(self, root: Path, run_cli, cwd: Path):
+        self.root, self._run_cli, self.cwd = root, run_cli, cwd
+        self.ckpt = root / "tiny4.h5"
+        self.arch = convert_hf(save_tiny_llama(root / "hf"), str(self.ckpt))
+        assert self.arch.num_layers == LAYERS and self.arch.num_kv_heads == 4
+        rng = np.random.default_rng(7)
+        tokens = [rng.integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+        # More EOS ids, from a greedy run in this process: prompt 1 stops at its 1st token, 2 at its 3rd, 5 at
+        # its 4th; the other sequences run to MAX_NEW (as tests/test_pipeline_cli.py's eos_job).
+        greedy = generate(load_model(str(self.ckpt)), tokens, MAX_NEW)
+        eos = set(self.arch.eos_token_ids) | {greedy[1][0], greedy[2][2], greedy[5][3]}
+        with h5py.File(self.ckpt, "r+") as f:
+            f.attrs["eos_token_ids"] = np.asarray(sorted(eos), dtype=np.int64)
+        self.prompts = root / "prompts.jsonl"
+        self.prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": t}) + "\n"
+                                        for i, t in enumerate(tokens)))
+        self.config = root / "job.toml"
+        self.config.write_text(
+            f'[model]\ncheckpoint = "{self.ckpt}"\n\n'
+            f'[generate]\nprompts = "{self.prompts}"\noutput = "unused.jsonl"\nmax_new_tokens = {MAX_NEW}\n'
+            f"batch_size = {BATCH}\nignore_eos = false\n")
+
+    def overrides(self, out_dir: Path, *extra) -> list[str]:
+        return [f'generate.output="{out_dir / "output.jsonl"}"', f'generate.metrics="{out_dir / "metrics.json"}"',
+                *extra]
+
+    def run(self, out_dir: Path, *extra, n=1, timeout=120, config=None):
+        args = ["run", str(config or self.config)]
+        for item in self.overrides(out_dir, *extra):
+            args += ["--set", item]
+        return self._run_cli(args, n=n, timeout=timeout, cwd=self.cwd)
+
+    def plan(self, *extra, tp=1) -> dict:
+        """budget.plan_bytes of this job with these overrides (one rank's share)."""
+        config = load_config(str(self.config), [*extra, f"parallel.tp={tp}"])
+        return plan_bytes(self.arch, config, partition_layers(self.arch, 1)[0], list(PROMPT_LENGTHS))
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, run_cli, repo_root):
+    return Job(tmp_path_factory.mktemp("offload_cli"), run_cli, repo_root)
+
+
+@pytest.fixture(scope="module")
+def reference(job, tmp_path_factory):
+    """One rank, no [offload]: the output every offloaded run must write byte for byte."""
+    out = tmp_path_factory.mktemp("reference")
+    done = job.run(out)
+    assert done.returncode == 0, done.stderr
+    got = [json.loads(line) for line in (out / "output.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in got] == [f"p{i}" for i in range(len(PROMPT_LENGTHS))]
+    lengths = [len(r["output_tokens"]) for r in got]
+    assert min(lengths) < MAX_NEW == max(lengths), lengths          # EOS stops some sequences early
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["offload"]["weights_peak_device_bytes_per_rank"] == 0                  # offload is off
+    return out
+
+
+def metrics_of(out_dir: Path) -> dict:
+    return json.loads((out_dir / "metrics.json").read_text())
+
+
+def device_budget(job, *extra, tp=1) -> int:
+    """A device budget this plan just fits (its device bytes + 1 KB): the run must stay under it."""
+    return int(job.plan(*extra, tp=tp)["device"]) + 1000
+
+
+# id: (ranks, overrides, expects host bytes, expects disk bytes)
+LAYOUTS = {
+    "n1-host-row": (1, [*HOST], True, False),
+    "n1-host-row-no-prefetch": (1, [*HOST, "offload.prefetch_layers=0"], True, False),
+    "n1-disk-row-prefetch2": (1, ["offload.weights_gpu=0", "offload.weights_cpu=0", "offload.prefetch_layers=2"],
+                              False, True),
+    "n1-mixed-zigzag-cache-host": (1, ["offload.weights_gpu=25", "offload.weights_cpu=25",
+                                       'offload.schedule="zigzag"', "offload.num_gpu_batches=2",
+                                       "offload.cache_gpu=0", "offload.cache_cpu=100"], True, True),
+    "n1-host-zigzag-gpu-batches": (1, [*HOST, 'offload.schedule="zigzag"', "offload.gpu_batch_size=1",
+                                       "offload.num_gpu_batches=4"], True, False),
+    "n2-tp2-host-row": (2, [*HOST, "parallel.tp=2"], True, False),
+    "n2-tp2-mixed-zigzag": (2, ["parallel.tp=2", "offload.weights_gpu=0", "offload.weights_cpu=50",
+                                'offload.schedule="zigzag"', "offload.num_gpu_batches=2"], True, True),
+    "n2-dp2-disk-zigzag": (2, ["offload.weights_gpu=0", "offload.weights_cpu=0", 'offload.schedule="zigzag"',
+                               "offload.num_gpu_batches=2"], False, True),
+    "n2-dp2-host-row": (2, [*HOST, "offload.num_gpu_batches=2"], True, False),
+}
+
+
+@pytest.mark.parametrize("n, overrides, from_host, from_disk", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_offloaded_runs_write_what_the_plain_run_writes(job, reference, tmp_path, n, overrides, from_host,
+                                                        from_disk):
+    tp = 2 if "parallel.tp=2" in overrides else 1
+    disk = tmp_path / "disk"
+    extra = [*overrides, f"offload.disk_dir={disk}"]
+    budget = device_budget(job, *extra, tp=tp)
+    done = job.run(tmp_path / "out", *extra, f"offload.device_memory={budget}", n=n)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "output.jsonl").read_text() == (reference / "output.jsonl").read_text()
+    metrics = metrics_of(tmp_path / "out")
+    assert metrics["mesh"]["tp"] == tp and metrics["mesh"]["dp"] == n // tp
+    off = metrics["offload"]
+    assert 0 < off["weights_peak_device_bytes_per_rank"] <= budget
+    assert (off["weights_bytes_from_host"] > 0) == from_host
+    assert (off["weights_bytes_from_disk"] > 0) == from_disk
+    assert metrics["config"]["offload"]["device_memory"] == budget
+    if from_disk:                                               # one folder of files per rank
+        assert sorted(p.name for p in disk.iterdir()) == [f"rank{r:05d}" for r in range(n)]
+        assert all(any(p.suffix == ".npy" for p in (disk / f"rank{r:05d}").iterdir()) for r in range(n))
+    else:
+        assert not disk.exists()
+    if "offload.cache_cpu=100" in overrides:
+        assert metrics["kv_cache"]["offloaded_bytes_to_host"] > 0
+        assert metrics["kv_cache"]["fetched_bytes_to_device"] > 0
+
+
+def test_tensor_parallel_ranks_stream_half_a_layer_each(job, reference, tmp_path):
+    """tp = 2: each rank holds and streams its shard, so its peak is about half the single rank's."""
+    peaks = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        done = job.run(out, *HOST, "offload.prefetch_layers=0", f"parallel.tp={tp}", n=tp)
+        assert done.returncode == 0, done.stderr
+        assert (out / "output.jsonl").read_text() == (reference / "output.jsonl").read_text()
+        peaks[tp] = metrics_of(out)["offload"]["weights_peak_device_bytes_per_rank"]
+    assert 0.45 * peaks[1] <= peaks[2] <= 0.6 * peaks[1], peaks   # norms are replicated, the rest is split
+
+
+def test_zigzag_moves_fewer_weight_bytes_than_row_by_row(job, reference, tmp_path):
+    """Four GPU batches of one sequence: row by row streams every layer per GPU batch, zig-zag once per block."""
+    moved = {}
+    for schedule in ("row", "zigzag"):
+        out = tmp_path / schedule
+        done = job.run(out, *HOST, f'offload.schedule="{schedule}"', "offload.num_gpu_batches=4", n=1)
+        assert done.returncode == 0, done.stderr
+        assert (out / "output.jsonl").read_text() == (reference / "output.jsonl").read_text()
+        moved[schedule] = metrics_of(out)["offload"]["weights_bytes_from_host"]
+    # EOS ends sequences at different steps, so row is below 4x; it is still far above zig-zag.
+    assert 2 * moved["zigzag"] <= moved["row"] <= 4 * moved["zigzag"], moved
+
+
+# ------------------------------------------------------------------------------------------------------- MoE
+
+def moe_config(root: Path, repo_root: Path) -> Path:
+    """inputs/preset-tiny-moe.toml with 16 tokens, batch 8, EOS ignored, on 2 ranks (ep = 2)."""
+    path = root / "moe.toml"
+    path.write_text(f'[model]\npreset = "tiny-moe"\n\n[parallel]\ntp = 1\nep = 2\n\n'
+                    f'[generate]\nprompts = "{repo_root / "inputs" / "tokens.jsonl"}"\noutput = "unused.jsonl"\n'
+                    "max_new_tokens = 8\nbatch_size = 8\nignore_eos = true\n")
+    return path
+
+
+@pytest.mark.parametrize("overrides", [HOST, ["offload.weights_gpu=0", "offload.weights_cpu=50",
+                                              'offload.schedule="zigzag"']], ids=["host-row", "mixed-zigzag"])
+def test_moe_experts_stream_on_two_ranks(job, tmp_path, repo_root, overrides):
+    config = moe_config(tmp_path, repo_root)
+    plain = job.run(tmp_path / "plain", n=2, config=config)
+    assert plain.returncode == 0, plain.stderr
+    done = job.run(tmp_path / "off", *overrides, f"offload.disk_dir={tmp_path / 'disk'}", n=2, config=config)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "off" / "output.jsonl").read_text() == (tmp_path / "plain" / "output.jsonl").read_text()
+    off = metrics_of(tmp_path / "off")["offload"]
+    assert off["weights_peak_device_bytes_per_rank"] > 0 and off["weights_bytes_from_host"] > 0
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: job.generate_share passes `lockstep` (MoE replicas stepping "
+                   "together) to generate_batch only; job._offloaded_batch drops it, so with dp = 2 and an odd "
+                   "batch the replicas run different numbers of GPU batches and the MoE all-to-all deadlocks")
+def test_moe_replicas_step_together_under_offload(job, tmp_path, repo_root):
+    config = moe_config(tmp_path, repo_root)
+    plain = job.run(tmp_path / "plain", "generate.batch_size=3", n=2, config=config)
+    assert plain.returncode == 0, plain.stderr
+    done = job.run(tmp_path / "off", "generate.batch_size=3", *HOST, "offload.num_gpu_batches=2", n=2,
+                   config=config, timeout=20)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "off" / "output.jsonl").read_text() == (tmp_path / "plain" / "output.jsonl").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+
+def case_weights_above_100(job, tmp):
+    return ["offload.weights_gpu=60", "offload.weights_cpu=50"], 1, [
+        "offload.weights_gpu + offload.weights_cpu = 110", "above 100"]
+
+
+def case_cache_above_100(job, tmp):
+    return ["offload.cache_gpu=80", "offload.cache_cpu=30"], 1, ["offload.cache_gpu + offload.cache_cpu"]
+
+
+def case_weights_on_disk_without_disk_dir(job, tmp):
+    return ["offload.weights_gpu=0", "offload.weights_cpu=50"], 1, ["puts weights on disk", "offload.disk_dir"]
+
+
+def case_device_budget_too_small(job, tmp):
+    return [*HOST, 'offload.device_memory="10KB"'], 1, [
+        "device_memory = 10,000 bytes", "resident layers", "streaming window", "embedding tables", "KV cache"]
+
+
+def case_device_budget_too_small_on_two_ranks(job, tmp):
+    return [*HOST, "parallel.tp=2", 'offload.device_memory="10KB"'], 2, ["device_memory = 10,000 bytes",
+                                                                         "streaming window"]
+
+
+def case_host_budget_too_small(job, tmp):
+    return [*HOST, 'offload.host_memory="1KB"'], 1, ["host_memory = 1,000 bytes", "on the host"]
+
+
+def case_block_not_the_batch(job, tmp):
+    return [*HOST, 'offload.schedule="zigzag"', "offload.gpu_batch_size=3", "offload.num_gpu_batches=2"], 1, [
+        "offload.gpu_batch_size * num_gpu_batches = 6", f"batch_size = {BATCH}"]
+
+
+def case_offload_with_pp2(job, tmp):
+    return [*HOST, "parallel.pp=2"], 2, ["pp = 1"]
+
+
+def case_unknown_schedule(job, tmp):
+    return ['offload.schedule="diagonal"'], 1, ["offload.schedule", "row", "zigzag"]
+
+
+def case_budget_without_unit(job, tmp):
+    return ['offload.device_memory="lots"'], 1, ["offload.device_memory", "2GiB"]
+
+
+BAD_CASES = [case_weights_above_100, case_cache_above_100, case_weights_on_disk_without_disk_dir,
+             case_device_budget_too_small, case_device_budget_too_small_on_two_ranks, case_host_budget_too_small,
+             case_block_not_the_batch, case_offload_with_pp2, case_unknown_schedule, case_budget_without_unit]
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=lambda c: c.__name__.removeprefix("case_"))
+def test_bad_offload_input_fails_once_and_clearly(job, tmp_path, case):
+    overrides, n, fragments = case(job, tmp_path)
+    out = tmp_path / "out"
+    done = job.run(out, *overrides, n=n, timeout=BAD_TIMEOUT)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.count(ERROR) == 1, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr, f"{fragment!r} not in {done.stderr!r}"
+    assert "Traceback" not in done.stderr
+    assert not (out / "output.jsonl").exists() and not (out / "metrics.json").exists()
