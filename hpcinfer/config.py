@@ -247,6 +247,10 @@ def _check_offload(path: str, config) -> None:
     if off.weights_gpu + off.weights_cpu < 100 and off.disk_dir is None:
         raise ConfigError(f"{path}: offload.weights_gpu + weights_cpu < 100 puts weights on disk: set "
                           f"offload.disk_dir")
+    if off.schedule == "row" and (off.cache_gpu < 100 or off.cpu_attention):
+        raise ConfigError(f"{path}: offload.cache_gpu < 100 and offload.cpu_attention place the KV cache of GPU "
+                          f"batches in host memory, which the zig-zag schedule does; set offload.schedule = "
+                          f"\"zigzag\" (the row schedule runs one GPU batch at a time, its cache on the device)")
     if off.active and config.parallel.pp > 1:
         raise ConfigError(f"{path}: [offload] streams the layers of one pipeline stage; use pp = 1 with it")
     if off.gpu_batch_size and off.gpu_batch_size * off.num_gpu_batches != config.generate.batch_size:

@@ -60,6 +60,10 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
         _check_kv_offload(config, ckpt.arch, stages, prompts, world_size, ranks_per_node)
         if config.offload.active:
             check_budgets(ckpt.arch, config, stages, [len(p.tokens) for p in prompts])
+            if ckpt.arch.moe_experts and world_size // (par.tp * par.pp) > 1:
+                raise ConfigError(f"{config.path}: [offload] with an MoE model needs dp = 1: data-parallel "
+                                  f"replicas exchange tokens in every MoE layer and the offload schedules do not "
+                                  f"step them together; use tp, ep and expert_tp over all ranks instead")
         if config.offload.profile is not None:
             from .offload.profile import resolve_profile
 

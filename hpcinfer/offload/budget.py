@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..config import parse_bytes
 from ..errors import ConfigError
 from ..generate.kv_cache import kv_bytes_per_token
-from ..parallel.stages import layer_params
+from ..generate.schedule import micro_batches
+from ..model.arch import tensor_shapes
 from .tiers import place_layers
 
 
@@ -13,27 +14,55 @@ def itemsize(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+def _layer_bytes(arch, layer: int, size: int, tp: int) -> int:
+    """Bytes one rank holds of layer `layer`: its matrices split over tp, its vectors (norms, biases) whole."""
+    prefix = f"layers.{layer}."
+    total = 0
+    for name, shape in tensor_shapes(arch).items():
+        if name.startswith(prefix):
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * size // (tp if len(shape) >= 2 and ".router." not in name else 1)
+    return total
+
+
+def _table_bytes(arch, stage, size: int, tp: int) -> int:
+    """Embedding (and position table) on the first stage, final norm and LM head on the last."""
+    D = arch.hidden_size
+    table = -(-arch.vocab_size // tp) * D * size
+    first = table + (arch.max_positions * D * size if arch.position == "learned" else 0)
+    last = (0 if arch.tied_embeddings and stage.is_first else table) + 2 * D * 4
+    return (first if stage.is_first else 0) + (last if stage.is_last else 0)
+
+
 def plan_bytes(arch, config, stage, prompt_lengths: list) -> dict:
-    """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache."""
+    """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache (GPU batches
+    with a host-resident cache pass through one device staging cache, unless CPU attention reads them in place)."""
     off, tp = config.offload, config.parallel.tp
     size = itemsize(config.model.dtype)
     layers = list(stage.layers)
-    per_layer = [layer_params(arch, i) * size // tp for i in layers]
+    per_layer = [_layer_bytes(arch, i, size, tp) for i in layers]
     tiers = place_layers(len(layers), off.weights_gpu, off.weights_cpu)
     streamed = [b for b, t in zip(per_layer, tiers) if t != "device"]
     window = (off.prefetch_layers + 1) * max(streamed, default=0)
-    copies = 1 if arch.tied_embeddings and stage.is_first and stage.is_last else stage.is_first + stage.is_last
-    tables = arch.vocab_size * arch.hidden_size * size // tp * copies
+    tables = _table_bytes(arch, stage, size, tp)
     batch = config.generate.batch_size
     max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
-    kv = batch * max_len * kv_bytes_per_token(arch.num_kv_heads // tp, arch.head_dim, len(layers))
-    kv_device = kv * off.cache_gpu / 100
+    per_seq = max_len * kv_bytes_per_token(arch.num_kv_heads // tp, arch.head_dim, len(layers))
+    gpu_batches = micro_batches(batch, off.num_gpu_batches)
+    on_device = round(len(gpu_batches) * off.cache_gpu / 100)
+    kv_device = sum(len(g) for g in gpu_batches[:on_device]) * per_seq
+    kv_host = sum(len(g) for g in gpu_batches[on_device:]) * per_seq
+    staging = 0 if off.cpu_attention or on_device == len(gpu_batches) else \
+        max(len(g) for g in gpu_batches[on_device:]) * per_seq
     return {
-        "device": sum(b for b, t in zip(per_layer, tiers) if t == "device") + window + tables + kv_device,
-        "host": sum(b for b, t in zip(per_layer, tiers) if t == "host") + kv - kv_device,
+        "device": sum(b for b, t in zip(per_layer, tiers) if t == "device") + window + tables + kv_device + staging,
+        "host": sum(b for b, t in zip(per_layer, tiers) if t == "host") + kv_host,
         "disk": sum(b for b, t in zip(per_layer, tiers) if t == "disk"),
         "parts": {"resident layers": sum(b for b, t in zip(per_layer, tiers) if t == "device"),
-                  "streaming window": window, "embedding tables": tables, "KV cache on the device": kv_device},
+                  "streaming window": window, "embedding tables": tables,
+                  "KV cache on the device": kv_device + staging},
     }
 
 

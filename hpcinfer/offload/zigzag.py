@@ -25,22 +25,37 @@ from ..generate.schedule import micro_batches
 
 
 class HostKV:
-    """A GPU batch's KV cache kept in host memory; `load`/`store` move one layer's keys and values."""
+    """KV caches of GPU batches that live in host memory, and the one device staging cache they pass through
+    (loaded before a batch's layer runs, stored after), unless CPU attention reads them where they are."""
 
-    def __init__(self, cache: KVCache):
-        self.k = [np.array(cache.ops.to_host(a)) for a in cache.k]
-        self.v = [np.array(cache.ops.to_host(a)) for a in cache.v]
-        self.bytes_moved = 0
+    def __init__(self, model, sizes: dict, max_len: int, cpu_attention: bool):
+        from ..backend.numpy_ops import NumpyOps
 
-    def load(self, cache: KVCache, i: int) -> None:
-        cache.k[i][...] = cache.ops.asarray(self.k[i])
-        cache.v[i][...] = cache.ops.asarray(self.v[i])
-        self.bytes_moved += int(self.k[i].nbytes) * 2
+        arch = model.arch
+        make = lambda ops, n: KVCache(ops, model.num_local_layers, n, model.kv_heads_local, max_len, arch.head_dim)
+        self.host = {b: make(NumpyOps(), n) for b, n in sizes.items()}          # b -> host-resident cache
+        self.staging = None if cpu_attention or not sizes else make(model.ops, max(sizes.values()))
+        self.bytes_to_device = self.bytes_to_host = 0
 
-    def store(self, cache: KVCache, i: int) -> None:
-        self.k[i][...] = cache.ops.to_host(cache.k[i])
-        self.v[i][...] = cache.ops.to_host(cache.v[i])
-        self.bytes_moved += int(self.k[i].nbytes) * 2
+    def cache_for(self, b: int, layer: int):
+        """The cache the layer computes with: the host one (CPU attention) or the staging one, loaded."""
+        host = self.host[b]
+        if self.staging is None:
+            return host
+        n = host.k[layer].shape[0]
+        self.staging.k[layer][:n] = self.staging.ops.asarray(host.k[layer])
+        self.staging.v[layer][:n] = self.staging.ops.asarray(host.v[layer])
+        self.bytes_to_device += 2 * int(host.k[layer].nbytes)
+        return self.staging
+
+    def store(self, b: int, layer: int) -> None:
+        if self.staging is None:
+            return
+        host = self.host[b]
+        n = host.k[layer].shape[0]
+        host.k[layer][...] = self.staging.ops.to_host(self.staging.k[layer][:n])
+        host.v[layer][...] = self.staging.ops.to_host(self.staging.v[layer][:n])
+        self.bytes_to_host += 2 * int(host.k[layer].nbytes)
 
 
 def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
@@ -49,10 +64,12 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     seqs = [Sequence(i, list(p), min(len(p) + params.max_new_tokens, arch.max_positions),
                      sequence_rng(params.seed, i)) for i, p in zip(indices, prompts)]
     batches = micro_batches(len(seqs), policy.num_gpu_batches)                    # the GPU batches of the block
-    caches = [KVCache(model.ops, model.num_local_layers, len(b), model.kv_heads_local,
-                      max(seqs[s].capacity for s in b), arch.head_dim) for b in batches]
+    max_len = max(s.capacity for s in seqs)
     on_device = round(len(batches) * policy.cache_gpu / 100)
-    host_kv = {b: HostKV(caches[b]) for b in range(on_device, len(batches))}      # cache stored in host memory
+    caches = {b: KVCache(model.ops, model.num_local_layers, len(batches[b]), model.kv_heads_local, max_len,
+                         arch.head_dim) for b in range(on_device)}
+    host_kv = HostKV(model, {b: len(batches[b]) for b in range(on_device, len(batches))}, max_len,
+                     policy.cpu_attention)
     eos = set() if params.ignore_eos else set(arch.eos_token_ids)
     t_start, first, prefill = time.perf_counter(), True, 0.0
     while True:
@@ -65,11 +82,10 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
         for layer in range(model.num_local_layers):
             model.weights.fetch(layer)                                            # once for the whole block
             for b, (_, step, _) in work.items():
-                if b in host_kv and not policy.cpu_attention:
-                    host_kv[b].load(caches[b], layer)
-                x[b] = model.run_layer(layer, x[b], step, caches[b], rope[b])
-                if b in host_kv and not policy.cpu_attention:
-                    host_kv[b].store(caches[b], layer)
+                cache = caches[b] if b in caches else host_kv.cache_for(b, layer)
+                x[b] = model.run_layer(layer, x[b], step, cache, rope[b])
+                if b not in caches:
+                    host_kv.store(b, layer)
             model.weights.release(layer)
         for b, (slots, step, _) in work.items():
             _sample_batch(model, [seqs[batches[b][s]] for s in slots], model.logits(x[b], step), params, eos)
@@ -84,8 +100,10 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     times.busy_s += time.perf_counter() - t_start
     times.prompt_tokens += sum(len(s.prompt) for s in seqs)
     times.generated_tokens += sum(len(s.generated) for s in seqs)
-    times.kv_bytes_to_device += sum(h.bytes_moved for h in host_kv.values()) // 2
-    times.kv_bytes_to_host += sum(h.bytes_moved for h in host_kv.values()) // 2
+    device_kv = sum(c.nbytes for c in caches.values()) + (host_kv.staging.nbytes if host_kv.staging else 0)
+    times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, device_kv)
+    times.kv_bytes_to_device += host_kv.bytes_to_device
+    times.kv_bytes_to_host += host_kv.bytes_to_host
     return [(s.generated, s.finish_reason) for s in seqs]
 
 
