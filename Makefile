@@ -9,6 +9,7 @@
 #   make bench-cpu   CPU benchmark (bench/cpu.py)
 #   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (bench/pipeline.py)
 #   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layer times (bench/moe.py)
+#   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (bench/offload.py)
 #   make clean       remove out/ and build stamps (keeps the venv and models)
 #   make distclean   clean, and remove the venv, the download cache and models/
 #
@@ -27,7 +28,7 @@ GGUF_NAME = SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
-.PHONY: venv model demo test test-quick kernels bench-cpu bench-pipeline bench-moe clean distclean
+.PHONY: venv model demo test test-quick kernels bench-cpu bench-pipeline bench-moe bench-offload clean distclean
 .DELETE_ON_ERROR:
 
 venv: $(INSTALLED)
@@ -101,6 +102,10 @@ bench-pipeline: venv $(H5)
 # No checkpoint needed: random inputs and weights; the MPI part uses the venv's mpiexec.
 bench-moe: venv
 	$(PY) -m bench.moe
+
+# SmolLM2 with its weights streamed from host memory, then from disk, under a 200 MB device budget (bench/README.md).
+bench-offload: venv $(H5)
+	$(PY) -m bench.offload
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache $(INSTALLED)
