@@ -48,7 +48,7 @@ class FlatAllToAll:
         self.group = group
 
     def exchange(self, arrays, send_counts):
-        counts = _check(arrays, send_counts, self.group.size)                 # [P]
+        counts = check_counts(arrays, send_counts, self.group.size)                 # [P]
         if self.group.size == 1:
             return [np.array(a, copy=True) for a in arrays], counts.copy()
         recv = _alltoall_counts(self.group.comm, counts[:, None])[:, 0]       # [P]
@@ -82,7 +82,7 @@ class HierarchicalAllToAll:
         self.inter = group.comm.Split(color=local, key=node)    # the M ranks with this local index; rank = node
 
     def exchange(self, arrays, send_counts):
-        counts = _check(arrays, send_counts, self.group.size).reshape(self.M, self.G)  # [M dest node, G dest local]
+        counts = check_counts(arrays, send_counts, self.group.size).reshape(self.M, self.G)  # [M dest node, G dest local]
         # step 1 (intra-node): local transform to (dest local, dest node), send the dest-local block to that peer
         arrays = _transpose_blocks(arrays, counts)
         by_local = np.ascontiguousarray(counts.T)                                # [G dest local, M dest node]
@@ -104,7 +104,7 @@ class HierarchicalAllToAll:
 
 # ------------------------------------------------------------------------------------------------ local helpers
 
-def _check(arrays, send_counts, size: int) -> np.ndarray:
+def check_counts(arrays, send_counts, size: int) -> np.ndarray:
     """send_counts as int64 [P]; every array has sum(send_counts) rows."""
     counts = np.asarray(send_counts, dtype=np.int64).reshape(-1)
     if counts.shape != (size,) or (counts < 0).any():
@@ -116,7 +116,7 @@ def _check(arrays, send_counts, size: int) -> np.ndarray:
     return counts
 
 
-def _starts(counts: np.ndarray) -> np.ndarray:
+def block_starts(counts: np.ndarray) -> np.ndarray:
     """Offsets of consecutive blocks of these lengths (exclusive cumsum)."""
     return np.cumsum(counts) - counts
 
@@ -125,9 +125,9 @@ def _transpose_blocks(arrays, counts: np.ndarray):
     """Rows laid out as blocks [A, B] (lengths counts [A, B], row-major) -> blocks [B, A], stable inside each."""
     if 1 in counts.shape:
         return arrays                                                            # already in [B, A] order
-    old = _starts(counts.reshape(-1)).reshape(counts.shape).T.reshape(-1)       # [B*A] block starts, new order
+    old = block_starts(counts.reshape(-1)).reshape(counts.shape).T.reshape(-1)       # [B*A] block starts, new order
     lens = counts.T.reshape(-1)                                                  # [B*A]
-    index = np.repeat(old - _starts(lens), lens) + np.arange(lens.sum())         # [N]
+    index = np.repeat(old - block_starts(lens), lens) + np.arange(lens.sum())         # [N]
     return [a[index] for a in arrays]
 
 
@@ -147,8 +147,8 @@ def _alltoallv(comm, a: np.ndarray, send_counts, recv_counts) -> np.ndarray:
     if width == 0:
         return out
     send, recv = np.asarray(send_counts) * width, np.asarray(recv_counts) * width
-    comm.Alltoallv([a.reshape(-1), (send.tolist(), _starts(send).tolist())],
-                   [out.reshape(-1), (recv.tolist(), _starts(recv).tolist())])
+    comm.Alltoallv([a.reshape(-1), (send.tolist(), block_starts(send).tolist())],
+                   [out.reshape(-1), (recv.tolist(), block_starts(recv).tolist())])
     return out
 
 

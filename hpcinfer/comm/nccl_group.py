@@ -25,6 +25,7 @@ import warnings
 import numpy as np
 
 from ..errors import ConfigError
+from .all_to_all import block_starts, check_counts
 
 COMMS = ("auto", "nccl", "mpi")
 
@@ -298,10 +299,10 @@ class NcclAllToAll:
 
     def exchange(self, arrays, send_counts):
         group, cp = self.group, self.group.cp
-        counts = _check_counts(arrays, send_counts, group.size)                     # [P]
+        counts = check_counts(arrays, send_counts, group.size)                     # [P]
         recv_counts = np.empty_like(counts)
         group.comm.Alltoall(counts, recv_counts)                                     # [P]
-        send_at, recv_at = _starts(counts), _starts(recv_counts)
+        send_at, recv_at = block_starts(counts), block_starts(recv_counts)
         out = []
         for a in arrays:
             on_host = not isinstance(a, cp.ndarray)
@@ -413,17 +414,3 @@ class StagedAllToAll:
 
 # ------------------------------------------------------------------------------------------------ local helpers
 
-def _check_counts(arrays, send_counts, size: int) -> np.ndarray:
-    """send_counts as int64 [P]; every array has sum(send_counts) rows."""
-    counts = np.ascontiguousarray(send_counts, dtype=np.int64).reshape(-1)
-    if counts.shape != (size,) or (counts < 0).any():
-        raise ValueError(f"send_counts must be {size} non-negative counts (one per group rank), got {send_counts}")
-    n = int(counts.sum())
-    for a in arrays:
-        if a.ndim == 0 or a.shape[0] != n:
-            raise ValueError(f"every array needs sum(send_counts) = {n} rows, got shape {a.shape}")
-    return counts
-
-
-def _starts(counts: np.ndarray) -> np.ndarray:
-    return np.cumsum(counts) - counts
