@@ -101,12 +101,15 @@ def _rescale(model) -> None:
                 p.normal_(0.0, LINEAR_GAIN / math.sqrt(fan_in))
 
 
-def save_tiny_model(family: str, folder) -> str:
-    """Build a tiny random float32 model of `family` (one of VARIANTS), save it as safetensors, return the folder."""
+def save_tiny_model(family: str, folder, num_layers: int | None = None) -> str:
+    """Build a tiny random float32 model of `family` (one of VARIANTS), save it as safetensors, return the folder.
+    `num_layers` overrides the variant's layer count (deeper models for pipeline tests)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = _config(family)
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     _rescale(model)

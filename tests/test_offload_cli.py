@@ -40,19 +40,10 @@ HOST = ["offload.weights_gpu=0", "offload.weights_cpu=100"]
 
 
 def save_tiny_llama(folder: Path) -> str:
-    """tests/hf_models.py's llama_mha with 4 layers (as tests/test_pipeline_cli.py makes it)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """tests/hf_models.py's llama_mha with LAYERS layers."""
     import hf_models
 
-    config = hf_models._config("llama_mha")
-    config.num_hidden_layers = LAYERS
-    torch.manual_seed(hf_models.SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    hf_models._rescale(model)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return str(folder)
+    return hf_models.save_tiny_model("llama_mha", folder, num_layers=LAYERS)
 
 
 class Job:

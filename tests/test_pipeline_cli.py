@@ -34,19 +34,10 @@ MESH_LINE = re.compile(r"rank (\d+) \(node (\d+)\): stage (\d+), dp replica (\d+
 
 
 def save_tiny_llama(folder: Path) -> str:
-    """tests/hf_models.py's llama_mha with 4 layers, weights re-drawn the same way (logits spread, no near-ties)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """tests/hf_models.py's llama_mha with LAYERS layers."""
     import hf_models
 
-    config = hf_models._config("llama_mha")
-    config.num_hidden_layers = LAYERS
-    torch.manual_seed(hf_models.SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    hf_models._rescale(model)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return str(folder)
+    return hf_models.save_tiny_model("llama_mha", folder, num_layers=LAYERS)
 
 
 class Job:
