@@ -17,7 +17,7 @@ Modes:
   int4-g64     the same file, load_model(..., quantize="int4", group_size=64)
   q4_1-kept    models/SmolLM2-135M-Instruct.Q4_1.gguf converted with `convert --keep-quantized` into a temp file
 
-    python -m bench.perplexity [--windows 32] [--window 256] [--out bench/results]
+    python -m bench.perplexity [--windows 8] [--window 256] [--out bench/results]
 
 Writes bench/results/perplexity-<YYYY-MM-DD>.json and .md and prints the table.
 """
@@ -143,7 +143,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--modes", default="float32,int8,int4-g64,q4_1-kept")
