@@ -14,13 +14,10 @@ tokens than one rank does: the DS-MoE / PR-MoE checkpoints here are written with
 experts of any layer, so ceil(T / E * 16) >= T: nothing is ever dropped) and Mixtral has no capacity limit.
 """
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from mpi_helpers import shared_files, world
 from hpcinfer.api import load_model
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.checkpoint.format import open_checkpoint
@@ -42,36 +39,20 @@ DROPS = 1.0                                      # capacity factor 1, min capaci
 PROMPT_LENGTHS = (4, 9, 1, 13, 6)
 
 
-def world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
 @pytest.fixture(scope="module")
 def checkpoints():
-    comm = world()
-    root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcinfer-moe-") if comm.Get_rank() == 0 else None))
-    paths = {m: str(root / f"{m}.h5") for m in MODELS + ("ds_moe_drops",)}
-    error = None
-    if comm.Get_rank() == 0:
-        try:
-            from hf_models import save_tiny_model
-            from hpcinfer.checkpoint.hf import convert_hf
+    def build(root):
+        from hf_models import save_tiny_model
+        from hpcinfer.checkpoint.hf import convert_hf
 
-            convert_hf(str(save_tiny_model("mixtral", root / "mixtral")), paths["mixtral"])
-            write_ds_moe(paths["ds_moe"], capacity_factor=NO_DROPS)
-            write_pr_moe(paths["pr_moe"], capacity_factor=NO_DROPS)
-            write_ds_moe(paths["ds_moe_drops"], capacity_factor=DROPS, min_capacity=1)
-        except Exception as exc:                 # every rank fails the fixture, none waits in a collective
-            error = repr(exc)
-    error = comm.bcast(error)
-    if error:
-        pytest.fail(f"building the MoE checkpoints failed on rank 0: {error}")
-    yield paths
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(root)
+        paths = {m: str(root / f"{m}.h5") for m in MODELS + ("ds_moe_drops",)}
+        convert_hf(str(save_tiny_model("mixtral", root / "mixtral")), paths["mixtral"])
+        write_ds_moe(paths["ds_moe"], capacity_factor=NO_DROPS)
+        write_pr_moe(paths["pr_moe"], capacity_factor=NO_DROPS)
+        write_ds_moe(paths["ds_moe_drops"], capacity_factor=DROPS, min_capacity=1)
+        return paths
+
+    yield from shared_files("hpcinfer-moe-", build)
 
 
 @pytest.fixture(scope="module")

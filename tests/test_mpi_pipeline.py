@@ -2,14 +2,13 @@
 1e-4 at logits of order 10, see check_layout) through the real pipeline executor: tiny Hugging Face reference
 models and the real SmolLM2."""
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hf_models import save_tiny_model
+from mpi_helpers import shared_files, world
 from hpcinfer.api import load_model
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.checkpoint.format import open_checkpoint
@@ -25,25 +24,15 @@ SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "smollm2.h5"
 NEW_TOKENS = 6
 
 
-def world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
 @pytest.fixture(scope="module")
 def tiny_checkpoints():
-    comm = world()
-    root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcinfer-pp-") if comm.Get_rank() == 0 else None))
-    paths = {v: str(root / f"{v}.h5") for v in ("gpt2", "gpt_neox", "llama")}
-    if comm.Get_rank() == 0:
+    def build(root):
+        paths = {v: str(root / f"{v}.h5") for v in ("gpt2", "gpt_neox", "llama")}
         for variant, path in paths.items():
             convert_hf(str(save_tiny_model(variant, root / variant)), path)
-    comm.Barrier()
-    yield paths
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(root)
+        return paths
+
+    yield from shared_files("hpcinfer-pp-", build)
 
 
 def layouts(size: int):

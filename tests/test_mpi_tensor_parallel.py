@@ -1,14 +1,11 @@
 """Tensor parallelism gives the single-rank logits (within 1e-4) and the same greedy tokens, for every family,
 at tp = 2 and (where the heads divide) tp = 4."""
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from hf_models import VARIANTS, save_tiny_model
+from mpi_helpers import shared_files, world
 from hpcinfer.api import generate, load_model, prompt_logits
 from hpcinfer.checkpoint.hf import convert_hf
 from hpcinfer.comm.group import Groups, MPIGroup
@@ -16,26 +13,16 @@ from hpcinfer.comm.group import Groups, MPIGroup
 LENGTHS = (3, 11, 1, 20)
 
 
-def world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
 @pytest.fixture(scope="module")
 def checkpoints():
-    """Rank 0 converts every tiny model once into a directory all ranks share; every rank then reads them."""
-    comm = world()
-    root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcinfer-tp-") if comm.Get_rank() == 0 else None))
-    paths = {v: str(root / f"{v}.h5") for v in VARIANTS}
-    if comm.Get_rank() == 0:
+    """Rank 0 converts every tiny model once; every rank then reads them."""
+    def build(root):
+        paths = {v: str(root / f"{v}.h5") for v in VARIANTS}
         for variant, path in paths.items():
             convert_hf(str(save_tiny_model(variant, root / variant)), path)
-    comm.Barrier()
-    yield paths
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(root)
+        return paths
+
+    yield from shared_files("hpcinfer-tp-", build)
 
 
 def tp_groups(tp: int) -> Groups:

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 
 import h5py  # noqa: E402
 
+from hf_models import save_tiny_model
 from hpcinfer.api import generate, load_model  # noqa: E402
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
 from hpcinfer.config import load_config  # noqa: E402
@@ -39,20 +40,13 @@ BAD_TIMEOUT = 60
 HOST = ["offload.weights_gpu=0", "offload.weights_cpu=100"]
 
 
-def save_tiny_llama(folder: Path) -> str:
-    """tests/hf_models.py's llama_mha with LAYERS layers."""
-    import hf_models
-
-    return hf_models.save_tiny_model("llama_mha", folder, num_layers=LAYERS)
-
-
 class Job:
     """The module's checkpoint, prompts and config; `run` runs `hpcinfer run` with --set overrides."""
 
     def __init__(self, root: Path, run_cli, cwd: Path):
         self.root, self._run_cli, self.cwd = root, run_cli, cwd
         self.ckpt = root / "tiny4.h5"
-        self.arch = convert_hf(save_tiny_llama(root / "hf"), str(self.ckpt))
+        self.arch = convert_hf(save_tiny_model("llama_mha", root / "hf", num_layers=LAYERS), str(self.ckpt))
         assert self.arch.num_layers == LAYERS and self.arch.num_kv_heads == 4
         rng = np.random.default_rng(7)
         tokens = [rng.integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 import h5py  # noqa: E402
 
+from hf_models import save_tiny_model
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
 from hpcinfer.generate.kv_cache import kv_bytes_per_token  # noqa: E402
 
@@ -33,20 +34,13 @@ BAD_TIMEOUT = 60
 MESH_LINE = re.compile(r"rank (\d+) \(node (\d+)\): stage (\d+), dp replica (\d+), tp rank (\d+)")
 
 
-def save_tiny_llama(folder: Path) -> str:
-    """tests/hf_models.py's llama_mha with LAYERS layers."""
-    import hf_models
-
-    return hf_models.save_tiny_model("llama_mha", folder, num_layers=LAYERS)
-
-
 class Job:
     """The module's checkpoint, prompts and config; `run` runs `hpcinfer run` with extra --set overrides."""
 
     def __init__(self, root: Path, run_cli, cwd: Path):
         self.root, self._run_cli, self.cwd = root, run_cli, cwd
         self.ckpt = root / "tiny4.h5"
-        arch = convert_hf(save_tiny_llama(root / "hf"), str(self.ckpt))
+        arch = convert_hf(save_tiny_model("llama_mha", root / "hf", num_layers=LAYERS), str(self.ckpt))
         assert (arch.num_layers, arch.num_kv_heads, arch.head_dim) == (LAYERS, KV_HEADS, HEAD_DIM)
         self.eos = tuple(arch.eos_token_ids)
         rng = np.random.default_rng(7)
