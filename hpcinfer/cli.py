@@ -1,4 +1,4 @@
-"""Command line: `hpcinfer run | convert | inspect | profile | plan` (also `python -m hpcinfer ...`)."""
+"""Command line: `hpcinfer run | convert | inspect | profile | plan | bench` (also `python -m hpcinfer ...`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="job config (TOML); see docs/config.md")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config value (repeatable), e.g. --set generate.max_new_tokens=64")
+    run.add_argument("--restart", action="store_true", help="start over: discard the results an earlier run of "
+                     "this output left, even of a different config or prompt file (docs/reliability.md)")
     convert = sub.add_parser("convert", help="convert a Hugging Face folder or a .gguf file to an hpcinfer "
                                              "HDF5 checkpoint")
     convert.add_argument("source", help="Hugging Face model folder (config.json + safetensors/bin) or .gguf file")
@@ -29,8 +31,25 @@ def _parser() -> argparse.ArgumentParser:
                          help="GGUF: keep Q4_1 / Q8_0 matrices as they are instead of dequantizing them")
     inspect = sub.add_parser("inspect", help="print a checkpoint's architecture and tensors, and check it")
     inspect.add_argument("checkpoint")
+    inspect.add_argument("--verify", action="store_true", help="also check every tensor's CRC-32 and the metadata "
+                         "manifest (docs/checkpoint-format.md); exit 2 on any damage")
     _offload_parsers(sub)
+    _bench_parser(sub)
     return parser
+
+
+def _bench_parser(sub) -> None:
+    """`bench` (docs/bench.md)."""
+    bench = sub.add_parser("bench", help="run the benchmark suites of a bench config (docs/bench.md), or "
+                                         "regenerate a report from stored results")
+    bench.add_argument("config", nargs="?", help="bench config (TOML), e.g. inputs/bench-cpu.toml")
+    bench.add_argument("--suite", action="append", default=[], metavar="NAME",
+                       help="run only this suite (repeatable): dense-latency, moe-latency, throughput, "
+                            "offload-max-batch")
+    bench.add_argument("--out", default="bench/results", help="folder for the results (default bench/results)")
+    bench.add_argument("--report", metavar="RESULTS.json", help="regenerate the markdown report and plots of a "
+                                                                "stored results file, beside it")
+    bench.add_argument("--keep", action="store_true", help="keep the jobs' configs, outputs and logs")
 
 
 def _offload_parsers(sub) -> None:
@@ -53,6 +72,10 @@ def _offload_parsers(sub) -> None:
                            "a100-40gb-pcie4, h100-80gb); default: measure this machine")
     plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                       help="weight and cache dtype (default: the checkpoint's; float32 for a preset)")
+    plan.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                      help="plan for weights quantized at load ([model] quantize; a quantized checkpoint is "
+                           "counted as stored): the quantized bytes are what moves")
+    plan.add_argument("--quantize-group", type=int, default=64, help="int4 group size (default 64)")
     plan.add_argument("--schedule", default="zigzag", choices=["zigzag", "row"],
                       help="zigzag (FlexGen's block schedule, default) or row (ZeRO-Inference)")
     plan.add_argument("--prefetch-layers", type=int, default=1, help="layers fetched ahead; 0 = no overlap")
@@ -62,6 +85,7 @@ def _offload_parsers(sub) -> None:
                       help="hold one placement percentage (repeatable), e.g. --fix cache_gpu=100 --fix act_gpu=100 "
                            "(ZeRO-Inference's placement); the LP places the rest")
     plan.add_argument("--candidates", type=int, default=10, help="rows of the candidates table (default 10)")
+    _layout_plan_arguments(plan)
     for parser in (profile, plan):
         for tier in ("device", "host", "disk"):
             parser.add_argument(f"--{tier}-memory", default=None, metavar="BYTES",
@@ -73,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from .runtime import main_run
 
-        return main_run(args.config, args.overrides)
+        return main_run(args.config, args.overrides, args.restart)
     try:
         if args.command == "convert":
             return _convert(args.source, args.output, args.dtype, args.quantize, args.group_size,
@@ -82,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             return _profile(args)
         if args.command == "plan":
             return _plan(args)
-        return _inspect(args.checkpoint)
+        if args.command == "bench":
+            from .bench import main_bench
+
+            return main_bench(args.config, args.suite, args.out, args.report, args.keep)
+        return _inspect(args.checkpoint, args.verify)
     except HpcinferError as exc:
         print(f"hpcinfer: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -114,11 +142,19 @@ def _convert(source: str, output: str, dtype: str, quantize: str = "none", group
     return 0
 
 
-def _inspect(path: str) -> int:
+def _inspect(path: str, verify: bool = False) -> int:
+    import time
+
     from .checkpoint.format import describe, open_checkpoint
 
     with open_checkpoint(path) as ckpt:
-        print(describe(ckpt))
+        print(describe(ckpt), flush=True)
+        if verify:
+            t0 = time.perf_counter()
+            done = ckpt.verify()
+            seconds = time.perf_counter() - t0
+            print(f"verify: OK ({done['datasets']} datasets, {done['bytes']:,} bytes, crc32 and metadata manifest "
+                  f"match, {seconds:.2f} s, {done['bytes'] / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
     return 0
 
 
@@ -197,11 +233,34 @@ def _plan_model(spec: str):
     raise ConfigError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint file")
 
 
+def _layout_plan_arguments(plan) -> None:
+    """`plan --gpus N`: the parallel layout planner (docs/planner.md); without --gpus, plan is the offload LP."""
+    plan.add_argument("--gpus", type=int, default=None, help="plan the parallel layout for N GPUs (ranks) "
+                      "instead of an offloading policy (docs/planner.md)")
+    plan.add_argument("--hardware", default=None, metavar="PRESET|FILE", help="with --gpus: the machine "
+                      "(dgx-a100-40gb (default), dgx-h100-80gb, or a file from `hpcinfer profile`)")
+    plan.add_argument("--gpu-memory", default=None, metavar="BYTES", help="with --gpus: memory per GPU, e.g. 40GB")
+    plan.add_argument("--batch", type=int, default=8, help="with --gpus: sequences in flight, over all replicas "
+                      "(default 8)")
+    plan.add_argument("--latency-budget", type=float, default=None, metavar="MS",
+                      help="with --gpus: keep layouts whose per-token latency is at most MS milliseconds")
+    plan.add_argument("--objective", default="latency", choices=["latency", "throughput"],
+                      help="with --gpus: rank by per-token latency (default) or by tokens/s")
+    plan.add_argument("--top", type=int, default=10, help="with --gpus: rows of the layout table (default 10)")
+
+
 def _plan(args) -> int:
     from .errors import ConfigError
     from .offload.lp import search_policy
     from .offload.profile import resolve_profile
 
+    if args.gpus is not None:
+        from .checkpoint.presets import PRESETS
+        from .perf.report import plan_layouts
+
+        arch, stored_dtype = _plan_model(args.model)
+        memory = _bytes_option("gpu-memory", args.gpu_memory) or _bytes_option("device-memory", args.device_memory)
+        return plan_layouts(args, arch, args.dtype or ("float16" if args.model in PRESETS else stored_dtype), memory)
     for name in ("prompt_len", "gen_len"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -219,13 +278,15 @@ def _plan(args) -> int:
         profile = resolve_profile(args.profile).with_budgets(**_budgets(args))
     cpu = {"auto": None, "on": True, "off": False}[args.cpu_attention]
     fixed = _fixed_percentages(args.fix)
+    quant_of = _plan_quant(args, arch)
     try:
         policy, best, candidates = search_policy(arch, args.prompt_len, args.gen_len, profile, args.max_latency,
                                                  cpu_attention=cpu, schedule=args.schedule,
-                                                 prefetch_layers=args.prefetch_layers, dtype=dtype, fixed=fixed)
+                                                 prefetch_layers=args.prefetch_layers, dtype=dtype, fixed=fixed,
+                                                 quant_of=quant_of)
     except ValueError as exc:
         raise ConfigError(f"--fix: {exc}") from None
-    print(_plan_report(args, arch, dtype, profile, policy, best, candidates))
+    print(_plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of))
     return 0
 
 
@@ -248,11 +309,31 @@ def _fixed_percentages(items: list[str]) -> dict:
     return fixed
 
 
-def _plan_report(args, arch, dtype, profile, policy, best, candidates) -> str:
+def _plan_quant(args, arch):
+    """Which tensors the planned model holds quantized (quant.storage.quant_of): a checkpoint's own quantization,
+    or `--quantize` applied to float weights as `[model] quantize` does."""
+    import os
+    import types
+
+    from .quant.storage import configure, quant_of
+
+    if args.model.endswith((".h5", ".hdf5")) and os.path.exists(args.model):
+        from .checkpoint.format import open_checkpoint
+
+        with open_checkpoint(args.model) as ckpt:
+            configure(ckpt, args.quantize, args.quantize_group)
+            return quant_of(ckpt)
+    wanted = None if args.quantize == "none" else (args.quantize, args.quantize_group)
+    return quant_of(types.SimpleNamespace(arch=arch, load_quant=wanted))
+
+
+def _plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of=None) -> str:
     from .offload.cost_model import TIERS, ModelSizes
     from .offload.policy import human_bytes
 
-    sizes = ModelSizes.of(arch, dtype)
+    sizes = ModelSizes.of(arch, dtype, quant_of)
+    if args.quantize != "none":
+        dtype = f"{dtype}, matrices {args.quantize}"
     lines = [
         f"# hpcinfer plan: {args.model} ({_count(arch.param_count())} parameters, {dtype}: "
         f"{human_bytes(sizes.total_weight_bytes)} of weights) on {profile.name}",

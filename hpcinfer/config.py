@@ -7,6 +7,7 @@ Unknown sections and keys are errors (a typo must not pass silently); every valu
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ def _preset_check(v):
 
 
 def _path(v):
-    return v.strip() != "", "must be a non-empty path"
+    return v.strip() != "" and "\0" not in v, "must be a non-empty path without NUL characters"
 
 
 def _positive(v):
@@ -56,6 +57,13 @@ class ModelSection:
         choices=("none", "int8", "int4")))
     quantize_group: int = field(default=64, metadata=_meta("int4 group size along each matrix's input dimension",
                                                            _positive))
+    kv_cache: str = field(default="none", metadata=_meta(
+        "KV cache storage: none (float32), int8 or int4 (group-wise asymmetric along head_dim; docs/quantization.md)",
+        choices=("none", "int8", "int4")))
+    kv_cache_group: int = field(default=64, metadata=_meta(
+        "values per scale/min group of the quantized KV cache; clamped to head_dim, must divide it", _positive))
+    verify: bool = field(default=False, metadata=_meta(
+        "check the checkpoint's CRC-32s and metadata manifest before loading (docs/checkpoint-format.md)"))
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,9 @@ class OffloadSection:
                                                           "num_gpu_batches", _non_negative))
     num_gpu_batches: int = field(default=1, metadata=_meta("GPU batches per block (zig-zag)", _positive))
     cpu_attention: bool = field(default=False, metadata=_meta("decode attention on the host for host-resident KV"))
+    partitioned_fetch: bool = field(default=False, metadata=_meta(
+        "data-parallel replicas on one node each keep and read 1/N of every streamed layer; an all-gather "
+        "assembles it (ZeRO-Inference's partitioned fetch)"))
     profile: str | None = field(default=None, metadata=_meta(
         "hardware profile (a `hpcinfer profile` TOML file or a preset) for the predicted-vs-measured report"))
 
@@ -145,6 +156,15 @@ class RuntimeSection:
         "mpi)", choices=COMMS))
     threads: int = field(default=0, metadata=_meta("BLAS threads per rank; 0 = cores / ranks on the node",
                                                    _non_negative))
+    comm_timeout: float = field(default=600.0, metadata=_meta(
+        "seconds a collective or point-to-point transfer may take before the watchdog ends the job (exit code 3; "
+        "docs/reliability.md)", lambda v: (v > 0, "must be > 0 (seconds)")))
+    log_level: str = field(default="info", metadata=_meta(
+        "debug, info, warning, error; rank 0 prints info, every rank prints warnings and errors",
+        choices=("debug", "info", "warning", "error")))
+    progress: str = field(default="auto", metadata=_meta(
+        "progress on rank 0: bar (carriage return), log (periodic lines), off, auto (bar on a terminal, else log)",
+        choices=("auto", "bar", "log", "off")))
 
 
 @dataclass(frozen=True)
@@ -158,12 +178,38 @@ class GenerateSection:
     top_p: float = field(default=1.0, metadata=_meta("1.0 = off", _probability))
     seed: int = field(default=0, metadata=_meta("sampling seed", _non_negative))
     ignore_eos: bool = field(default=False, metadata=_meta("true: always generate max_new_tokens"))
+    attention_topk: float = field(default=0.0, metadata=_meta(
+        "top-k sparse decode attention: fraction of cached positions each query head keeps, in (0, 1]; 0 = off",
+        lambda v: (0.0 <= v <= 1.0, "must be 0 (off) or a fraction in (0, 1]")))
+    metrics: str | None = field(default=None, metadata=_meta("optional JSON metrics file", _path))
+
+
+POOLINGS = ("mean", "cls", "pooler", "none")
+
+
+@dataclass(frozen=True)
+class EmbedSection:
+    inputs: str = field(metadata=_meta("JSON Lines input file: {\"id\", \"text\"} or {\"id\", \"tokens\"} per line",
+                                       _path))
+    output: str = field(metadata=_meta("HDF5 embeddings file (written by rank 0, atomically; docs/embed.md)", _path))
+    pooling: str = field(default="mean", metadata=_meta(
+        "mean over the tokens, cls (the first token's state), pooler (BERT's tanh dense on [CLS]), none (every "
+        "token's state)", choices=POOLINGS))
+    normalize: bool = field(default=True, metadata=_meta("L2-normalize each embedding (each token's with none)"))
+    max_length: int = field(default=0, metadata=_meta("tokens per input at most; 0 = min(512, the model's "
+                                                      "positions)", _non_negative))
+    batch_size: int = field(default=32, metadata=_meta("inputs per batch on each data-parallel replica "
+                                                       "(batches are bucketed by length)", _positive))
+    truncate: bool = field(default=True, metadata=_meta(
+        "true: cut inputs longer than max_length (counted in the metrics); false: such an input is an error"))
     metrics: str | None = field(default=None, metadata=_meta("optional JSON metrics file", _path))
 
 
 SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "schedule": ScheduleSection, "moe": MoESection,
-            "offload": OffloadSection, "runtime": RuntimeSection, "generate": GenerateSection}
-REQUIRED_SECTIONS = ("model", "generate")
+            "offload": OffloadSection, "runtime": RuntimeSection, "generate": GenerateSection,
+            "embed": EmbedSection}
+REQUIRED_SECTIONS = ("model",)
+JOB_SECTIONS = ("generate", "embed")     # exactly one: the job kind
 
 
 @dataclass(frozen=True)
@@ -175,7 +221,8 @@ class Config:
     moe: MoESection
     offload: OffloadSection
     runtime: RuntimeSection
-    generate: GenerateSection
+    generate: GenerateSection | None = None     # exactly one of generate and embed is set
+    embed: EmbedSection | None = None
 
 
 def load_config(path: str, overrides: list[str] = ()) -> Config:
@@ -189,6 +236,11 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start}); TOML files are UTF-8") from None
+    except (ValueError, RecursionError) as exc:        # tomllib: an integer over 4300 digits, arrays nested too deep
+        raise ConfigError(f"config file '{path}' is not valid TOML for hpcinfer: {_toml_limit(exc)}") from None
     for item in overrides:
         _apply_override(raw, item)
     return _build(path, raw)
@@ -203,10 +255,16 @@ def _apply_override(raw: dict, item: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text                                   # a bare string such as a path needs no quotes
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"--set {item!r}: the value is not valid TOML for hpcinfer: {_toml_limit(exc)}") from None
     raw.setdefault(section, {})
     if not isinstance(raw[section], dict):
         raise ConfigError(f"--set {item!r}: [{section}] is not a section")
     raw[section][name] = value
+
+
+def _toml_limit(exc: Exception) -> str:
+    return "values nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]
 
 
 def _build(path: str, raw: dict) -> Config:
@@ -216,16 +274,27 @@ def _build(path: str, raw: dict) -> Config:
     for name in REQUIRED_SECTIONS:
         if name not in raw:
             raise ConfigError(f"{path}: missing section [{name}]")
-    sections = {name: _build_section(path, name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()}
+    kinds = [name for name in JOB_SECTIONS if name in raw]
+    if not kinds:
+        raise ConfigError(f"{path}: missing section [generate] or [embed]: a job needs exactly one of them")
+    if len(kinds) > 1:
+        raise ConfigError(f"{path}: both [generate] and [embed] are given; a job is exactly one of them "
+                          f"(generation or embeddings): remove one")
+    sections = {name: _build_section(path, name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()
+                if name in raw or name not in JOB_SECTIONS}
     config = Config(path=path, **sections)
     if (config.model.checkpoint is None) == (config.model.preset is None):
         raise ConfigError(f"{path}: [model] needs exactly one of 'checkpoint' (an HDF5 file) and 'preset' "
                           f"(random weights of a named shape)")
+    if config.model.verify and config.model.preset is not None:
+        raise ConfigError(f"{path}: [model] verify = true checks a checkpoint file; preset {config.model.preset!r} "
+                          f"has none (its weights are made on each rank): remove verify or give a checkpoint")
     if config.runtime.comm == "nccl" and config.runtime.backend == "numpy":
         raise ConfigError(f"{path}: runtime.comm = 'nccl' needs device arrays; use backend = \"cupy\" (or \"auto\" "
                           f"on a GPU), or comm = \"mpi\"")
     _check_offload(path, config)
-    batch = config.generate.batch_size
+    _check_kv_cache(path, config)
+    batch = config.generate.batch_size if config.generate is not None else config.embed.batch_size
     for key in ("prompt_micro_batches", "gen_micro_batches"):
         value = getattr(config.schedule, key)
         if value > batch:
@@ -236,6 +305,19 @@ def _build(path: str, raw: dict) -> Config:
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _check_kv_cache(path: str, config) -> None:
+    """A quantized KV cache needs a cache (a [generate] job) and a schedule that builds it (not zig-zag)."""
+    if config.model.kv_cache == "none":
+        return
+    if config.generate is None:
+        raise ConfigError(f"{path}: model.kv_cache = {config.model.kv_cache!r} applies to [generate] jobs; an "
+                          f"[embed] job keeps no KV cache: remove it")
+    if config.offload.active and config.offload.schedule == "zigzag":
+        raise ConfigError(f"{path}: model.kv_cache = {config.model.kv_cache!r} is not supported with "
+                          f"offload.schedule = \"zigzag\" (its host and staging caches are float32); use "
+                          f"kv_cache = \"none\" or the row schedule")
 
 
 def _check_offload(path: str, config) -> None:
@@ -253,6 +335,10 @@ def _check_offload(path: str, config) -> None:
                           f"\"zigzag\" (the row schedule runs one GPU batch at a time, its cache on the device)")
     if off.active and config.parallel.pp > 1:
         raise ConfigError(f"{path}: [offload] streams the layers of one pipeline stage; use pp = 1 with it")
+    if off.active and config.generate is None:
+        raise ConfigError(f"{path}: [offload] applies to [generate] jobs; an [embed] job keeps its weights in place")
+    if config.generate is None:
+        return
     if off.gpu_batch_size and off.gpu_batch_size * off.num_gpu_batches != config.generate.batch_size:
         raise ConfigError(f"{path}: offload.gpu_batch_size * num_gpu_batches = "
                           f"{off.gpu_batch_size * off.num_gpu_batches} must equal [generate] batch_size = "
@@ -268,7 +354,10 @@ def parse_bytes(value) -> int:
     unit = text[len(number):]
     if unit not in _UNITS or not number:
         raise ValueError(value)
-    return int(float(number) * _UNITS[unit])
+    size = float(number) * _UNITS[unit]
+    if not math.isfinite(size):                        # "inf", "1e400GB": no byte count
+        raise ValueError(value)
+    return int(size)
 
 
 def _bytes_check(value):
@@ -307,7 +396,9 @@ def _check_value(path: str, key: str, f: dataclasses.Field, value):
     if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
         raise ConfigError(f"{path}: {key} = {value!r} must be {_TYPE_WORDS[f.type]}")
     if f.type in ("float", "float | None"):
-        value = float(value)
+        value = float(value) if not isinstance(value, int) or abs(value) < 2**1000 else math.inf
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: {key} = {value!r} must be a finite number")
     choices, check = f.metadata["choices"], f.metadata["check"]
     if choices and value not in choices:
         raise ConfigError(f"{path}: {key} = {value!r} is not allowed; choose one of {', '.join(choices)}")

@@ -4,7 +4,7 @@ outputs rank 0 writes."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,15 +12,18 @@ from .backend.ops import make_ops
 from .checkpoint.format import open_checkpoint
 from .comm.mesh import MeshShape
 from .errors import ConfigError
+from .generate.commit import ResultWriter, generation_fingerprint
 from .generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
 from .generate.kv_cache import KVOffload, plan_offload
-from .generate.output import result_record, write_metrics, write_results
+from .generate.output import write_metrics
 from .generate.prompts import load_prompts
+from .generate.resume import SIDECAR_SUFFIX
 from .generate.sampling import SamplingParams
 from .generate.schedule import micro_batches
 from .generate.tokenizer import TextTokenizer
-from .metrics import summarize
+from .metrics import peak_rss_bytes, summarize
 from .offload.budget import check_budgets, predicted_vs_measured
+from .quant.storage import quant_of
 from .offload.zigzag import run_block_zigzag
 from .parallel.layout import check_experts, check_tensor_parallel
 from .parallel.stages import partition_layers
@@ -33,6 +36,9 @@ class Job:
     tokenizer: object
     prompts: list
     stages: list                 # StageSpec per pipeline stage
+    writer: object = None        # rank 0: generate/commit.ResultWriter (resumes, commits each batch round)
+    skip: set = field(default_factory=set)    # prompt indices an earlier run committed (every rank, from rank 0)
+    quant_of: object = None      # tensor name -> (mode, group) when held quantized (quant.storage.quant_of)
 
 
 @dataclass
@@ -42,24 +48,32 @@ class RankReport:
     results: list                # [(prompt index, generated ids, finish_reason)] (last stage, tp rank 0 only)
     times: StepTimes
     generate_s: float
+    peak_rss_bytes: int = field(default_factory=peak_rss_bytes)   # this rank's host memory peak, when built
 
 
-def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
+def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart: bool = False) -> Job:
     """Everything that can be wrong with the inputs, checked on every rank before any weight is read."""
     ops = make_ops(config.runtime.backend)
     ckpt = open_model_source(config.model)
     try:
+        if ckpt.arch.is_encoder:                          # BERT-family checkpoints embed, they do not generate
+            raise ConfigError(f"{config.path}: [generate] needs a decoder checkpoint; {config.model.checkpoint} is "
+                              f"a {ckpt.arch.family} encoder: use an [embed] job (docs/embed.md)")
         _check_quantization(config, ckpt, ops)
         par = config.parallel
         check_tensor_parallel(ckpt.arch, par.tp, config.path)
         stages = partition_layers(ckpt.arch, par.pp, config.path)
         MeshShape.for_world(world_size, par.tp, par.pp).check_nodes(ranks_per_node)
         check_experts(ckpt.arch, par.tp, par.pp, par.ep, par.expert_tp, world_size, config.path)
+        if config.model.verify:              # each tensor's CRC-32, spread over the ranks (checkpoint/integrity.py)
+            ckpt.verify(rank, world_size)
         tokenizer = TextTokenizer.from_checkpoint(ckpt)
         prompts = load_prompts(config.generate.prompts, ckpt.arch, tokenizer)
         _check_kv_offload(config, ckpt.arch, stages, prompts, world_size, ranks_per_node)
+        quantized = quant_of(ckpt) if config.offload.active else None      # what the tiers move quantized
         if config.offload.active:
-            check_budgets(ckpt.arch, config, stages, [len(p.tokens) for p in prompts])
+            check_budgets(ckpt.arch, config, stages, [len(p.tokens) for p in prompts], quantized,
+                          _fetch_share(config, world_size, ranks_per_node))
             if ckpt.arch.moe_experts and world_size // (par.tp * par.pp) > 1:
                 raise ConfigError(f"{config.path}: [offload] with an MoE model needs dp = 1: data-parallel "
                                   f"replicas exchange tokens in every MoE layer and the offload schedules do not "
@@ -68,14 +82,36 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int) -> Job:
             from .offload.profile import resolve_profile
 
             resolve_profile(config.offload.profile)
-        if rank == 0:
-            _check_writable(config.generate.output, "[generate] output")
-            if config.generate.metrics:
-                _check_writable(config.generate.metrics, "[generate] metrics")
+        if config.offload.active and config.offload.disk_dir and config.offload.weights_gpu + \
+                config.offload.weights_cpu < 100:           # every rank writes its layers there
+            _check_writable(os.path.join(config.offload.disk_dir, "rank"), "[offload] disk_dir")
+        writer = _open_results(config, prompts, tokenizer, restart) if rank == 0 else None
     except Exception:
         ckpt.close()
         raise
-    return Job(config, ckpt, tokenizer, prompts, stages)
+    return Job(config, ckpt, tokenizer, prompts, stages, writer, quant_of=quantized)
+
+
+def _open_results(config, prompts, tokenizer, restart: bool):
+    """Rank 0: the output and metrics are writable files distinct from the inputs, and an earlier run's output
+    is resumed when its fingerprint matches (a changed job is refused unless `restart`)."""
+    g = config.generate
+    _check_writable(g.output, "[generate] output")
+    if g.metrics:
+        _check_writable(g.metrics, "[generate] metrics")
+    paths = {"[generate] prompts": g.prompts, "[model] checkpoint": config.model.checkpoint,
+             "[generate] metrics": g.metrics, "[generate] output": g.output,
+             "the output's resume state": g.output + SIDECAR_SUFFIX}
+    seen = {}
+    for key, path in paths.items():
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ConfigError(f"{config.path}: {key} and {seen[real]} are the same file '{path}'; the job would "
+                              f"overwrite it")
+        seen[real] = key
+    return ResultWriter(g.output, prompts, tokenizer, generation_fingerprint(config), restart)
 
 
 def _check_quantization(config, ckpt, ops) -> None:
@@ -87,8 +123,32 @@ def _check_quantization(config, ckpt, ops) -> None:
     if quantized and ops.name != "numpy":
         raise ConfigError(f"{config.path}: quantized weights run on the numpy backend only so far; set "
                           f"[runtime] backend = \"numpy\" or quantize = \"none\" with a float checkpoint")
-    if quantized and config.offload.active:
-        raise ConfigError(f"{config.path}: [offload] does not move quantized weights yet; use a float model")
+    kv_format_of(config, ckpt.arch)
+    topk = config.generate.attention_topk if config.generate is not None else 0.0
+    if (config.model.kv_cache != "none" or topk) and ops.name != "numpy":
+        raise ConfigError(f"{config.path}: model.kv_cache = {config.model.kv_cache!r} and generate.attention_topk "
+                          f"= {topk} are not yet on the CUDA backend; set [runtime] backend = \"numpy\" or turn "
+                          f"them off (kv_cache = \"none\", attention_topk = 0)")
+
+
+def kv_format_of(config, arch):
+    """`[model] kv_cache` and `kv_cache_group` for this model: a quant.kv.KVFormat, or None for a float cache."""
+    from .quant.formats import QuantError
+    from .quant.kv import kv_format
+
+    try:
+        return kv_format(config.model.kv_cache, config.model.kv_cache_group, arch.head_dim)
+    except QuantError as exc:
+        raise ConfigError(f"{config.path}: model.kv_cache_group = {config.model.kv_cache_group}: {exc}") from None
+
+
+def _fetch_share(config, world_size: int, ranks_per_node: int) -> int:
+    """Replicas of a partitioned fetch group ([offload] partitioned_fetch): the dp ranks of one node that hold the
+    same tp shard (runtime._fetch_group); 1 without it."""
+    par = config.parallel
+    if not config.offload.partitioned_fetch:
+        return 1
+    return min(world_size // (par.tp * par.pp), max(1, ranks_per_node // par.tp))
 
 
 def open_model_source(model_section):
@@ -127,12 +187,14 @@ def _check_kv_offload(config, arch, stages, prompts, world_size: int, ranks_per_
             stage = stages[stage_index]
             plan_offload(len(stage.layers), stage.first_layer, len(batch), arch.num_kv_heads // par.tp, max_len,
                          arch.head_dim, KVOffload(schedule.kv_offload.threshold_bytes, parity),
-                         max(len(x) for x in groups))
+                         max(len(x) for x in groups), kv_format_of(config, arch))
 
 
 def _check_writable(path: str, key: str) -> None:
     if os.path.isdir(path):
         raise ConfigError(f"{key} = '{path}' is a directory; give a file path")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"{key} = '{path}' exists and is not writable")
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)
@@ -142,10 +204,13 @@ def _check_writable(path: str, key: str) -> None:
         raise ConfigError(f"{key} = '{path}': directory '{directory}' is not writable")
 
 
-def generate_share(model, job: Job, mesh, link) -> tuple[StepTimes, list]:
-    """This data-parallel replica's batches (batch b goes to replica b mod dp), through its pipeline. For MoE
-    models the replicas exchange tokens in every MoE layer, so they step together: each takes its slice of every
-    batch."""
+def generate_share(model, job: Job, mesh, link, end_round=None) -> tuple[StepTimes, list]:
+    """This data-parallel replica's batches, through its pipeline, one batch round at a time: round k holds the
+    next dp batches not yet done (job.skip), and replica d takes the d-th of them. For MoE models the replicas
+    exchange tokens in every MoE layer, so they step together: a round is one batch, each takes its slice.
+
+    end_round(results) -> bool runs on every rank after each round (generate/rounds.py: commit, stop flag); True
+    stops. Without it, the results are collected and returned."""
     g = job.config.generate
     params = GenerationParams(g.max_new_tokens, SamplingParams(g.temperature, g.top_k, g.top_p), g.seed,
                               g.ignore_eos)
@@ -153,25 +218,43 @@ def generate_share(model, job: Job, mesh, link) -> tuple[StepTimes, list]:
     _, dp_index, _ = mesh.coords
     dp = mesh.shape.dp
     lockstep = mesh.dp if model.arch.moe_experts and dp > 1 else None      # experts are exchanged across replicas
+    todo = [b for b in _batches(len(job.prompts), g.batch_size) if not set(b) <= job.skip]
     times, results = StepTimes(), []
-    for b, batch in enumerate(_batches(len(job.prompts), g.batch_size)):
-        if lockstep is None and b % dp != dp_index:
-            continue
-        indices = list(batch) if lockstep is None else [int(i) for i in np.array_split(list(batch), dp)[dp_index]]
-        prompts = [job.prompts[i].tokens for i in indices]
-        if job.config.offload.active:
-            outputs = _offloaded_batch(model, prompts, indices, params, times, job.config.offload)
-        else:
-            outputs = generate_batch(model, prompts, indices, params, times, schedule, link, lockstep=lockstep,
-                                     batch_size=len(batch))
-        if outputs is not None:
-            results += [(i, tokens, reason) for i, (tokens, reason) in zip(indices, outputs)]
+    for batch in _rounds(todo, dp, dp_index, lockstep is not None):
+        round_results = []
+        if batch is not None:
+            indices = list(batch) if lockstep is None else [int(i) for i in np.array_split(list(batch), dp)[dp_index]]
+            outputs = _one_batch(model, job, indices, params, times, schedule, link, lockstep, len(batch))
+            if outputs is not None:
+                round_results = [(i, tokens, reason) for i, (tokens, reason) in zip(indices, outputs)]
+        if end_round is None:
+            results += round_results
+        elif end_round(round_results):
+            break
     if model.weights is not None:
         times.weights_peak_device_bytes = model.weights.peak_bytes
         times.weights_bytes_from_host = model.weights.bytes_from_host
         times.weights_bytes_from_disk = model.weights.bytes_from_disk
         model.weights.close()
     return times, results
+
+
+def _rounds(todo: list, dp: int, dp_index: int, lockstep: bool):
+    """This replica's batch of each round (None when the round has none for it): the d-th of the round's dp
+    batches, or with lockstep the round's one batch (every replica takes a slice of it)."""
+    per_round = 1 if lockstep else dp
+    for first in range(0, len(todo), per_round):
+        mine = todo[first:first + per_round]
+        yield mine[0] if lockstep else (mine[dp_index] if dp_index < len(mine) else None)
+
+
+def _one_batch(model, job: Job, indices: list, params, times, schedule, link, lockstep, batch_size: int):
+    """[(generated ids, finish_reason)] of the prompts `indices` (None on a stage that does not sample)."""
+    prompts = [job.prompts[i].tokens for i in indices]
+    if job.config.offload.active:
+        return _offloaded_batch(model, prompts, indices, params, times, job.config.offload)
+    return generate_batch(model, prompts, indices, params, times, schedule, link, lockstep=lockstep,
+                          batch_size=batch_size)
 
 
 def _offloaded_batch(model, prompts, indices, params, times, offload) -> list:
@@ -186,10 +269,10 @@ def _offloaded_batch(model, prompts, indices, params, times, offload) -> list:
 
 
 def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> None:
-    results = sorted((r for report in reports for r in report.results), key=lambda r: r[0])
-    assert [r[0] for r in results] == list(range(len(job.prompts))), "every prompt is answered exactly once"
-    records = [result_record(job.prompts[i].id, tokens, reason, job.tokenizer) for i, tokens, reason in results]
-    write_results(job.config.generate.output, records)
+    """Rank 0, at the end of a job that was not stopped: the output in input order (every batch was committed
+    by job.writer as it finished), the answers, the summary and the metrics."""
+    job.writer.commit([r for report in reports for r in report.results])     # (empty when rounds committed)
+    records = job.writer.finish()
     for record in records:
         answer = record.get("text", " ".join(map(str, record["output_tokens"])))
         print(f"[{record['id']}] {answer!r} ({record['finish_reason']})", flush=True)
@@ -197,12 +280,13 @@ def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: f
     if job.config.offload.active:
         blocks = -(-len(job.prompts) // job.config.generate.batch_size) / mesh.shape.dp
         report = predicted_vs_measured(arch, job.config, [len(p.tokens) for p in job.prompts], blocks,
-                                       metrics["generate_s"])
+                                       metrics["generate_s"], job.quant_of)
         if report is not None:
             metrics["offload"].update(report)
             print(f"hpcinfer: offload: measured {report['measured_s']:.2f} s, cost model predicted "
                   f"{report['predicted_s']:.2f} s on profile {report['profile']}", flush=True)
-    print(f"hpcinfer: {metrics['generated_tokens']} tokens generated for {len(records)} prompts in "
+    resumed = f" ({len(job.skip)} of them done by an earlier run)" if job.skip else ""
+    print(f"hpcinfer: {metrics['generated_tokens']} tokens generated for {len(records)} prompts{resumed} in "
           f"{metrics['generate_s']:.2f} s ({metrics['tokens_per_s']:.1f} tokens/s); results in "
           f"{job.config.generate.output}", flush=True)
     if mesh.shape.pp > 1:

@@ -3,11 +3,16 @@
 Failure discipline (no rank is ever left waiting):
 - set-up steps run on every rank and then *agree*: an allgather of the error messages, so a problem found on any
   rank (bad config, checkpoint, prompts) is reported once by rank 0 and every rank exits 2, before any weight is read;
-- any error after set-up (or a bug anywhere) prints the failing rank's message and aborts the whole job.
+- any error after set-up (or a bug anywhere) prints the failing rank's message and aborts the whole job;
+- a collective or transfer that does not complete within [runtime] comm_timeout aborts the job with exit code 3
+  (comm/watchdog.py), and SIGTERM / SIGUSR1 stop every rank after the current batch round with exit code 75.
+Exit codes: 0 done, 1 internal error, 2 configuration or input error, 3 watchdog timeout, 75 stopped (resume by
+running the same command again). docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -20,13 +25,25 @@ from .comm.nccl_group import device_group_factory, resolve_comm
 from .comm.pipeline import StageLink
 from .config import load_config
 from .errors import HpcinferError
-from .job import RankReport, generate_share, prepare_job, write_outputs
+from .faults import Faults
+from .generate.progress import Progress
+from .generate.rounds import BatchRounds, StopFlag
+from .job import RankReport, generate_share, kv_format_of, prepare_job, write_outputs
 from .model.transformer import Decoder
+from .logs import setup_logging
 from .offload.tiers import WeightTiers, place_layers
+
+ABORT_GRACE_S = 0.5
+EXIT_STOPPED = 75                 # EX_TEMPFAIL: stopped by a signal, committed results kept; re-run to resume
+log = logging.getLogger("hpcinfer")
 
 
 class AgreedError(Exception):
     """A set-up error every rank knows about (so no rank needs to be aborted)."""
+
+
+class Stopped(Exception):
+    """Every rank agreed to stop early after a signal; the finished batches are committed."""
 
 
 def agree(world, step):
@@ -42,13 +59,20 @@ def agree(world, step):
     return value
 
 
-def main_run(config_path: str, overrides: list[str]) -> int:
+def main_run(config_path: str, overrides: list[str], restart: bool = False) -> int:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
+    setup_logging(world.Get_rank())
+    stop = StopFlag()
+    stop.install()
     try:
-        _run(world, config_path, overrides)
+        _run(world, config_path, overrides, restart, stop)
         return 0
+    except Stopped as exc:
+        if world.Get_rank() == 0:
+            print(f"hpcinfer: {exc}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     except AgreedError as exc:
         if world.Get_rank() == 0:
             print(f"hpcinfer: error: {exc}", file=sys.stderr, flush=True)
@@ -63,6 +87,7 @@ def main_run(config_path: str, overrides: list[str]) -> int:
 def _abort(world, message: str, code: int) -> int:
     print(message, file=sys.stderr, flush=True)
     if world.Get_size() > 1:
+        time.sleep(ABORT_GRACE_S)            # let the launcher forward the message before it kills the job
         world.Abort(code)
         os._exit(code)
     return code
@@ -79,39 +104,108 @@ def _set_threads(config, world) -> int:
     return threads
 
 
-def _run(world, config_path: str, overrides: list[str]) -> None:
+def _run(world, config_path: str, overrides: list[str], restart: bool = False, stop: StopFlag = None) -> None:
     t_start = time.perf_counter()
     rank = world.Get_rank()
     config = agree(world, lambda: load_config(config_path, overrides))
+    setup_logging(rank, config.runtime.log_level)
     ranks_per_node = config.parallel.ranks_per_node or shared_memory_ranks(world)
-    job = agree(world, lambda: prepare_job(config, world.Get_size(), rank, ranks_per_node))
-    mesh = build_mesh(world, config.parallel.tp, config.parallel.pp, ranks_per_node)
-    threads = _set_threads(config, world)
-    _print_mesh(world, mesh, threads)
-
-    # the backend on this rank's GPU (node-local rank), then the communicators for its arrays (CUDA backend)
-    ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank))
-    comm = agree(world, lambda: resolve_comm(config.runtime.comm, ops, world))
-    groups = _groups(config, mesh, device_group_factory(comm, ops))
+    if config.embed is not None:                              # an [embed] job (hpcinfer/embed, docs/embed.md)
+        return _run_embed(world, config, ranks_per_node, t_start, restart, stop or StopFlag())
+    job = agree(world, lambda: prepare_job(config, world.Get_size(), rank, ranks_per_node, restart))
+    job.skip = set(world.bcast(sorted(job.writer.done) if rank == 0 else None))
+    if job.skip:
+        log.info("resuming %s: %d of %d prompts are already done", config.generate.output, len(job.skip),
+                 len(job.prompts))
+    faults = Faults(rank)
+    mesh, threads, ops, groups = _compute_setup(world, config, config.parallel.pp, ranks_per_node)
 
     t0 = time.perf_counter()
     stage = job.stages[mesh.coords[0]]
     with job.ckpt as ckpt:
         model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor)
-        model.weights = _weight_tiers(config, model, ops, rank)
-        model.load(ckpt, after_block=model.weights.place if model.weights is not None else None)
+        if config.generate is not None:                         # KV cache format, top-k decode attention
+            model.set_attention(kv_format_of(config, ckpt.arch), config.generate.attention_topk)
+        model.weights = _weight_tiers(config, model, ops, rank, mesh)
+        model.load(ckpt, after_block=faults.after_block(model.weights.place if model.weights is not None else None))
     load_s = time.perf_counter() - t0
-    _injected_fault(rank)
+    faults.at("after_load")
+    faults.arm([mesh.world, mesh.tp, mesh.dp, mesh.pp, mesh.stage], model, stage.is_last)
+    _generate(config, mesh, model, job, stop or StopFlag(), load_s, t_start, threads)
 
+
+def _generate(config, mesh, model, job, stop: StopFlag, load_s: float, t_start: float, threads: int) -> None:
+    """The schedule, one batch round at a time (each committed by rank 0), then the final outputs; raises
+    Stopped on every rank when a signal asked them to stop."""
     t0 = time.perf_counter()
     link = StageLink(mesh.pp) if mesh.shape.pp > 1 else None
-    times, local = generate_share(model, job, mesh, link)
+    is_writer = mesh.tp.rank == 0 and job.stages[mesh.coords[0]].is_last    # one copy of each replica's results
+    progress = None
+    if mesh.world.rank == 0 and config.runtime.progress != "off":
+        mode = config.runtime.progress
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() and sys.stderr.isatty() else "log"
+        progress = Progress(len(job.prompts), len(job.skip), mode, stream=sys.stderr)
+    rounds = BatchRounds(mesh.world, job.writer, progress, stop, is_writer)
+    times, _ = generate_share(model, job, mesh, link, rounds.end)
     generate_s = time.perf_counter() - t0
-
-    is_writer = mesh.tp.rank == 0 and stage.is_last             # one copy of each replica's results
-    gathered = world.gather(RankReport(mesh.coords, local if is_writer else [], times, generate_s))
-    if rank == 0:
+    gathered = mesh.world.gather_object(RankReport(mesh.coords, [], times, generate_s))
+    if rounds.stopped:
+        done = len(job.writer.done) if job.writer is not None else 0
+        raise Stopped(f"stopped by {rounds.stopped} after the batch round in flight: {done} of {len(job.prompts)} "
+                      f"prompts committed to {config.generate.output}; run the same command again to resume "
+                      f"(exit code {EXIT_STOPPED})")
+    if mesh.world.rank == 0:
         write_outputs(job, model.arch, mesh, gathered, load_s, time.perf_counter() - t_start, threads)
+
+
+def _run_embed(world, config, ranks_per_node: int, t_start: float, restart: bool, stop: StopFlag) -> None:
+    """An embedding job: an encoder over tp x dp ranks; rank 0 writes the HDF5 file batch by batch."""
+    from .embed.job import embed_metrics, open_writer, prepare_embed_job, run_rounds
+    from .generate.output import write_metrics
+    from .model.encoder import Encoder
+
+    rank = world.Get_rank()
+    job = agree(world, lambda: prepare_embed_job(config, world.Get_size(), rank))
+    writer = agree(world, lambda: open_writer(job, restart) if rank == 0 else None)     # resume or refuse here
+    mesh, threads, ops, groups = _compute_setup(world, config, 1, ranks_per_node)
+    t0 = time.perf_counter()
+    with job.ckpt as ckpt:
+        model = Encoder(ops, groups, ckpt.arch, config.model.dtype).load(ckpt)
+    load_s = time.perf_counter() - t0
+    e = config.embed
+    t0 = time.perf_counter()
+    try:
+        stats = run_rounds(world, mesh, model, job, writer, stop)
+        if writer is not None and not stats.stopped:
+            writer.finish()
+    finally:
+        if writer is not None:
+            writer.close()
+    embed_s = time.perf_counter() - t0
+    if stats.stopped:
+        raise Stopped(f"stopped by {stats.stopped} after the batch round in flight; the rows written so far are in "
+                      f"{e.output}.partial: run the same command again to resume (exit code {EXIT_STOPPED})")
+    reports = world.gather((mesh.coords, stats))
+    if rank == 0:
+        metrics = embed_metrics(job, mesh, reports, load_s, embed_s, time.perf_counter() - t_start, threads)
+        print(f"hpcinfer: {metrics['embedded_inputs']} inputs ({metrics['tokens']} tokens, "
+              f"{metrics['truncated_inputs']} truncated) embedded in {embed_s:.2f} s; embeddings in {e.output}",
+              flush=True)
+        if e.metrics:
+            write_metrics(e.metrics, metrics)
+            print(f"hpcinfer: metrics in {e.metrics}", flush=True)
+
+
+def _compute_setup(world, config, pp: int, ranks_per_node: int):
+    """The mesh (printed by rank 0), BLAS threads, the backend on this rank's GPU (node-local rank) and the
+    communicator groups for its arrays -> (mesh, threads, ops, groups)."""
+    mesh = build_mesh(world, config.parallel.tp, pp, ranks_per_node, config.runtime.comm_timeout)
+    threads = _set_threads(config, world)
+    _print_mesh(world, mesh, threads)
+    ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank))
+    comm = agree(world, lambda: resolve_comm(config.runtime.comm, ops, world))
+    return mesh, threads, ops, _groups(config, mesh, device_group_factory(comm, ops))
 
 
 def _groups(config, mesh, wrap) -> Groups:
@@ -123,21 +217,33 @@ def _groups(config, mesh, wrap) -> Groups:
     return Groups(tp=wrap(mesh.tp), pp=wrap(mesh.pp), stage=wrap(mesh.stage), dp=wrap(mesh.dp), moe=moe)
 
 
-def _weight_tiers(config, model, ops, rank: int):
+def _weight_tiers(config, model, ops, rank: int, mesh=None):
     """The offload tiers of this rank's layers, when [offload] is active (docs/offload.md)."""
     off = config.offload
     if not off.active:
         return None
     tiers = place_layers(model.num_local_layers, off.weights_gpu, off.weights_cpu)
     disk_dir = os.path.join(off.disk_dir, f"rank{rank:05d}") if off.disk_dir else None
-    return WeightTiers(ops, model.blocks, tiers, disk_dir, off.prefetch_layers)
+    group, threads_ok = _fetch_group(mesh) if off.partitioned_fetch and mesh is not None else (None, True)
+    return WeightTiers(ops, model.blocks, tiers, disk_dir, off.prefetch_layers, group, threads_ok)
 
 
-def _injected_fault(rank: int) -> None:
-    """For tests of the failure discipline: HPCINFER_FAIL_RANK=r makes rank r fail after loading its weights,
-    while its peers go on into the schedule and wait for it."""
-    if os.environ.get("HPCINFER_FAIL_RANK") == str(rank):
-        raise RuntimeError(f"injected failure on rank {rank} (HPCINFER_FAIL_RANK)")
+def _fetch_group(mesh):
+    """The data-parallel replicas of this rank's (stage, tp rank) on its node: they share each layer fetch
+    (partitioned fetch, offload/partition.py). Collective over the world. Rounds run on a prefetch thread only
+    when MPI allows calls from several threads at once."""
+    from mpi4py import MPI
+
+    from .comm.group import MPIGroup
+
+    pp_i, dp_i, tp_i = mesh.coords
+    color = (mesh.node * mesh.shape.pp + pp_i) * mesh.shape.tp + tp_i
+    world = mesh.world.comm
+    comm = world.Split(color=color, key=dp_i)
+    members = comm.Get_group().Translate_ranks(list(range(comm.Get_size())), world.Get_group())
+    watch = mesh.world.watch                              # the mesh's watchdog deadline and arrivals
+    group = MPIGroup(comm, "offload fetch", watch.timeout, members, watch.arrivals)
+    return group, MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 
 def _print_mesh(world, mesh, threads: int) -> None:

@@ -131,7 +131,8 @@ def test_run_alone_writes_results_in_input_order(job, reference):
     assert metrics["tokens_per_s"] > 0 and metrics["generated_tokens"] == MAX_NEW * len(PROMPT_LENGTHS)
     assert {k: metrics["mesh"][k] for k in ("world", "pp", "dp", "tp")} == {"world": 1, "pp": 1, "dp": 1, "tp": 1}
     assert mesh_lines(done.stdout) == ["rank 0 (node 0): stage 0, dp replica 0, tp rank 0"]
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "output.jsonl"]   # no temp file left
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "output.jsonl",   # no temp file left
+                                                     "output.jsonl.state.json"]     # (resume state: reliability.md)
 
 
 LAYOUTS = {

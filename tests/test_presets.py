@@ -348,7 +348,8 @@ def test_the_example_configs(tmp_path, run_cli, repo_root):
     assert (par.tp, par.ep, par.expert_tp, config.moe.all_to_all) == (1, 128, 1, "pcc+hierarchical")
     slurm = (REPO / "jobs/moe-1.3b-128.slurm").read_text()
     assert "--nodes=16" in slurm and "--ntasks-per-node=8" in slurm and "inputs/moe-1.3b-128.toml" in slurm
-    assert "srun --mpi=pmi2 --kill-on-bad-exit=1" in slurm
+    assert "source jobs/lib.sh" in slurm and "hpcinfer_run inputs/moe-1.3b-128.toml" in slurm
+    assert "srun --mpi=pmi2 --kill-on-bad-exit=1" in (REPO / "jobs/lib.sh").read_text()   # the shared launcher
     # The job writes its prompts with this module's helper; they fit the model.
     from hpcinfer.checkpoint.presets import write_token_prompts
 

@@ -17,6 +17,8 @@ from ..errors import CheckpointError
 from ..model.arch import ModelArch, tensor_shapes
 from ..quant.formats import dequantize
 from ..quant.storage import QUANTIZATIONS, is_stored_quantized, read_quantized, stored_shape
+from . import integrity
+from .integrity import truncation_report
 
 FORMAT_NAME = "hpcinfer"
 FORMAT_VERSION = 2          # 2 added quantized tensors (docs/quantization.md); version 1 files still open
@@ -73,6 +75,19 @@ class Checkpoint:
         key = tuple(slice(s.start, s.stop) for s in index)
         return from_storage(np.asarray(self.file[name][key]), self.dtype)
 
+    def read_into(self, name: str, rows: slice, out: np.ndarray) -> None:
+        """Read a block of leading rows of a float tensor straight into `out` (its storage dtype, or bfloat16),
+        with no intermediate copy: loaders fill their preallocated shard this way."""
+        if is_stored_quantized(self.file, name):
+            out[...] = self.read(name, rows)
+            return
+        target = out.view(np.uint16) if self.dtype == "bfloat16" else out
+        self.file[name].read_direct(target, np.s_[rows.start:rows.stop])
+
+    def verify(self, rank: int = 0, world: int = 1) -> dict:
+        """`[model] verify`: the metadata, and this rank's share of the tensors' CRC-32s (integrity.py)."""
+        return integrity.verify(self.path, self.file, rank, world)
+
     def tokenizer_json(self) -> str | None:
         group = self.file.get("tokenizer")
         if group is None or "json" not in group:
@@ -115,7 +130,8 @@ def open_checkpoint(path: str) -> Checkpoint:
     try:
         file = h5py.File(path, "r")
     except OSError as exc:
-        raise CheckpointError(f"checkpoint '{path}' is not a readable HDF5 file ({exc})") from None
+        truncated = truncation_report(path, exc)
+        raise CheckpointError(truncated or f"checkpoint '{path}' is not a readable HDF5 file ({exc})") from None
     try:
         arch, dtype = _validate(path, file)
     except Exception:
@@ -180,5 +196,7 @@ def describe(ckpt: Checkpoint) -> str:
         kind = (str(ckpt.file[f"{name}.q"].attrs["mode"]) if is_stored_quantized(ckpt.file, name) else ckpt.dtype)
         lines.append(f"  {name:40s} {str(list(shape)):>16s} {kind}")
     lines.append(f"parameters: {total:,}")
+    lines.append("checksums: " + ("crc32 per tensor, and a metadata manifest" if integrity.has_checksums(ckpt.file)
+                                  else integrity.NO_CHECKSUMS))
     lines.append("check: OK (format, version, architecture, every tensor's shape and dtype)")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Write an hpcinfer checkpoint tensor by tensor, atomically (a temporary file renamed on success)."""
+"""Write an hpcinfer checkpoint tensor by tensor, atomically (a temporary file renamed on success), sealed with a
+CRC-32 per dataset and a metadata manifest (integrity.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ..model.arch import ModelArch, tensor_shapes
 from ..quant.formats import DEFAULT_GROUP, QuantError, quantize
 from ..quant.storage import QUANTIZATIONS, is_quantizable, is_row_parallel, write_quantized
 from .format import DTYPES, FORMAT_NAME, FORMAT_VERSION, to_storage
+from .integrity import seal
 
 
 class CheckpointWriter:
@@ -92,14 +94,16 @@ class CheckpointWriter:
                 group.attrs[key] = value
 
     def __exit__(self, exc_type, exc, tb):
-        self.file.close()
         try:
             missing = [n for n in self.expected if n not in self.written]
             if exc_type is None and missing:
                 raise CheckpointError(f"conversion wrote no tensor {missing[0]!r} ({len(missing)} tensors missing)")
             if exc_type is None:
+                seal(self.file)                   # a CRC-32 per dataset and the manifest (integrity.py)
+                self.file.close()
                 os.replace(self.tmp_path, self.path)
         finally:
+            self.file.close()
             if os.path.exists(self.tmp_path):
                 os.remove(self.tmp_path)
         return False

@@ -51,8 +51,9 @@ class FlatAllToAll:
         counts = check_counts(arrays, send_counts, self.group.size)                 # [P]
         if self.group.size == 1:
             return [np.array(a, copy=True) for a in arrays], counts.copy()
-        recv = _alltoall_counts(self.group.comm, counts[:, None])[:, 0]       # [P]
-        return [_alltoallv(self.group.comm, a, counts, recv) for a in arrays], recv
+        watch = getattr(self.group, "watch", None)                              # comm/watchdog.py
+        recv = _alltoall_counts(self.group.comm, counts[:, None], watch)[:, 0]       # [P]
+        return [_alltoallv(self.group.comm, a, counts, recv, watch) for a in arrays], recv
 
     def close(self) -> None:
         pass
@@ -80,26 +81,42 @@ class HierarchicalAllToAll:
         node, local = divmod(group.rank, g)
         self.intra = group.comm.Split(color=node, key=local)    # the G ranks of this node; rank = local
         self.inter = group.comm.Split(color=local, key=node)    # the M ranks with this local index; rank = node
+        self.watch_intra = _sub_watchdog(group, self.intra, [node * g + q for q in range(g)], "intra-node")
+        self.watch_inter = _sub_watchdog(group, self.inter, [n * g + local for n in range(self.M)], "inter-node")
 
     def exchange(self, arrays, send_counts):
         counts = check_counts(arrays, send_counts, self.group.size).reshape(self.M, self.G)  # [M dest node, G dest local]
         # step 1 (intra-node): local transform to (dest local, dest node), send the dest-local block to that peer
         arrays = _transpose_blocks(arrays, counts)
         by_local = np.ascontiguousarray(counts.T)                                # [G dest local, M dest node]
-        got1 = _alltoall_counts(self.intra, by_local)                            # [G src local, M dest node]
-        arrays = [_alltoallv(self.intra, a, by_local.sum(1), got1.sum(1)) for a in arrays]
+        got1 = _alltoall_counts(self.intra, by_local, self.watch_intra)          # [G src local, M dest node]
+        arrays = [_alltoallv(self.intra, a, by_local.sum(1), got1.sum(1), self.watch_intra) for a in arrays]
         # step 2 (inter-node): local transform to (dest node, src local), send the dest-node block to that node
         arrays = _transpose_blocks(arrays, got1)
         by_node = np.ascontiguousarray(got1.T)                                   # [M dest node, G src local]
-        got2 = _alltoall_counts(self.inter, by_node)                             # [M src node, G src local]
-        arrays = [_alltoallv(self.inter, a, by_node.sum(1), got2.sum(1)) for a in arrays]
+        got2 = _alltoall_counts(self.inter, by_node, self.watch_inter)           # [M src node, G src local]
+        arrays = [_alltoallv(self.inter, a, by_node.sum(1), got2.sum(1), self.watch_inter) for a in arrays]
         return arrays, got2.reshape(-1)                                          # rows in source rank order
 
     def close(self) -> None:
+        for watch in (self.watch_intra, self.watch_inter):
+            if watch is not None:
+                watch.free()
         for comm in (self.intra, self.inter):
             if comm is not None:
                 comm.Free()
-        self.intra = self.inter = None
+        self.intra = self.inter = self.watch_intra = self.watch_inter = None
+
+
+def _sub_watchdog(group, comm, members: list[int], what: str):
+    """A watchdog for a sub-communicator of a watched group (members: their group ranks), or None."""
+    parent = getattr(group, "watch", None)
+    if parent is None:
+        return None
+    from .watchdog import Watchdog
+
+    return Watchdog(comm, f"{group.name} {what}", parent.timeout, [parent.world_ranks[m] for m in members],
+                    parent.arrivals)
 
 
 # ------------------------------------------------------------------------------------------------ local helpers
@@ -131,15 +148,18 @@ def _transpose_blocks(arrays, counts: np.ndarray):
     return [a[index] for a in arrays]
 
 
-def _alltoall_counts(comm, counts: np.ndarray) -> np.ndarray:
+def _alltoall_counts(comm, counts: np.ndarray, watch=None) -> np.ndarray:
     """counts int64 [P, K]: row p goes to rank p; returns [P, K], row p from rank p."""
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     out = np.empty_like(counts)
-    comm.Alltoall(counts, out)
+    if watch is None:
+        comm.Alltoall(counts, out)
+    else:
+        watch.run("all_to_all (counts)", lambda: comm.Ialltoall(counts, out), lambda: comm.Alltoall(counts, out))
     return out
 
 
-def _alltoallv(comm, a: np.ndarray, send_counts, recv_counts) -> np.ndarray:
+def _alltoallv(comm, a: np.ndarray, send_counts, recv_counts, watch=None) -> np.ndarray:
     """Rows of a [N, *s] -> [R, *s] by one Alltoallv; counts [P] in rows, passed to MPI in elements of a.dtype."""
     a = np.ascontiguousarray(a)
     out = np.empty((int(recv_counts.sum()), *a.shape[1:]), dtype=a.dtype)
@@ -147,8 +167,12 @@ def _alltoallv(comm, a: np.ndarray, send_counts, recv_counts) -> np.ndarray:
     if width == 0:
         return out
     send, recv = np.asarray(send_counts) * width, np.asarray(recv_counts) * width
-    comm.Alltoallv([a.reshape(-1), (send.tolist(), block_starts(send).tolist())],
-                   [out.reshape(-1), (recv.tolist(), block_starts(recv).tolist())])
+    spec = ([a.reshape(-1), (send.tolist(), block_starts(send).tolist())],
+            [out.reshape(-1), (recv.tolist(), block_starts(recv).tolist())])
+    if watch is None:
+        comm.Alltoallv(*spec)
+    else:
+        watch.run("all_to_all_v", lambda: comm.Ialltoallv(*spec), lambda: comm.Alltoallv(*spec))
     return out
 
 

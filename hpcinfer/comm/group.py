@@ -10,6 +10,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .watchdog import Watchdog
+
 
 class CommGroup(Protocol):
     size: int
@@ -22,48 +24,74 @@ class CommGroup(Protocol):
 
 
 class MPIGroup:
-    """A CommGroup over an mpi4py communicator (host memory)."""
+    """A CommGroup over an mpi4py communicator (host memory). Every operation runs under the group's Watchdog
+    (the blocking MPI call, watched by a monitor thread; or its non-blocking form, polled, where MPI has no
+    THREAD_MULTIPLE), so a peer that never arrives ends the job after `timeout` seconds with a diagnostic
+    (comm/watchdog.py) instead of hanging it. world_ranks: the members' ranks in the world (for
+    messages); arrivals: shared by the groups of one process (built by comm/mesh.py)."""
 
-    def __init__(self, comm, name: str = "group"):
+    def __init__(self, comm, name: str = "group", timeout: float = 600.0, world_ranks=None, arrivals=None):
         self.comm, self.name = comm, name
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.watch = Watchdog(comm, name, timeout, world_ranks, arrivals)
 
     def all_reduce(self, x: np.ndarray) -> np.ndarray:
         from mpi4py import MPI
 
         x = np.ascontiguousarray(x)
-        self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        self.watch.run("all_reduce", lambda: self.comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM),
+                       lambda: self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM))
         return x
 
     def all_gather(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x)
         out = np.empty((self.size, *x.shape), dtype=x.dtype)
-        self.comm.Allgather(x, out)
+        self.watch.run("all_gather", lambda: self.comm.Iallgather(x, out), lambda: self.comm.Allgather(x, out))
         return out
 
     def broadcast(self, x: np.ndarray, root: int = 0) -> np.ndarray:
         x = np.ascontiguousarray(x)
-        self.comm.Bcast(x, root=root)
+        self.watch.run("broadcast", lambda: self.comm.Ibcast(x, root=root), lambda: self.comm.Bcast(x, root=root))
         return x
 
     def all_gather_v(self, x: np.ndarray) -> np.ndarray:
         """x [n_r, ...] (n_r may differ by rank) -> every rank's rows concatenated in rank order."""
         x = np.ascontiguousarray(x)
-        counts = np.array(self.comm.allgather(x.shape[0]), dtype=np.int64)
+        counts = self.all_gather(np.array([x.shape[0]], dtype=np.int64))[:, 0]         # [size]
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         out = np.empty((int(counts.sum()), *x.shape[1:]), dtype=x.dtype)
-        self.comm.Allgatherv(x, [out, counts * row, np.concatenate([[0], np.cumsum(counts * row)[:-1]]),
-                                 _mpi_type(x.dtype)])
+        spec = [out, counts * row, np.concatenate([[0], np.cumsum(counts * row)[:-1]]), _mpi_type(x.dtype)]
+        self.watch.run("all_gather_v", lambda: self.comm.Iallgatherv(x, spec), lambda: self.comm.Allgatherv(x, spec))
         return out
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self.watch.run("barrier", self.comm.Ibarrier, self.comm.Barrier)
+
+    # pickled objects (small, rare: results per batch round, stop flags)
+    def gather_object(self, obj, root: int = 0):
+        return self._objects("gather (objects)", lambda: self.comm.gather(obj, root=root))
+
+    def bcast_object(self, obj, root: int = 0):
+        return self._objects("broadcast (objects)", lambda: self.comm.bcast(obj, root=root))
+
+    def _objects(self, op: str, call):
+        """A blocking object collective: watched by the monitor thread, or (polling mode) after a watched barrier
+        that proves every rank has arrived, so that it cannot hang."""
+        if self.watch.arrivals.threaded:
+            self.watch.enter(op)
+            return self.watch.blocking(call, op)
+        self.watch.run(op, self.comm.Ibarrier, self.comm.Barrier)
+        return call()
 
     # point-to-point (pipeline stages): a small picklable header, then an optional array payload
     def isend_object(self, obj, dest: int, tag: int):
         return self.comm.isend(obj, dest=dest, tag=tag)
 
     def recv_object(self, source: int, tag: int):
+        op = f"receive (tag {tag})"
+        if self.watch.arrivals.threaded:
+            return self.watch.blocking(lambda: self.comm.recv(source=source, tag=tag), op, peer=source)
+        self.watch.until(lambda: self.comm.Iprobe(source=source, tag=tag), op, peer=source)
         return self.comm.recv(source=source, tag=tag)
 
     def isend_array(self, x: np.ndarray, dest: int, tag: int):
@@ -71,8 +99,16 @@ class MPIGroup:
 
     def recv_array(self, shape, dtype, source: int, tag: int) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)
-        self.comm.Recv(out, source=source, tag=tag)
+        op = f"receive (tag {tag})"
+        if self.watch.arrivals.threaded:
+            self.watch.blocking(lambda: self.comm.Recv(out, source=source, tag=tag), op, peer=source)
+        else:
+            self.watch.wait(self.comm.Irecv(out, source=source, tag=tag), op, peer=source)
         return out
+
+    def wait_send(self, request, dest: int) -> None:
+        """Complete a send started by isend_object / isend_array."""
+        self.watch.wait(request, "send", peer=dest)
 
     def __repr__(self):
         return f"MPIGroup({self.name}, rank {self.rank} of {self.size})"

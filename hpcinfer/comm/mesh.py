@@ -95,14 +95,23 @@ def shared_memory_ranks(comm) -> int:
     return size
 
 
-def build_mesh(comm, tp: int, pp: int, ranks_per_node: int) -> Mesh:
-    """Split `comm` (the world) into the tp, dp and pp groups of this rank."""
+def build_mesh(comm, tp: int, pp: int, ranks_per_node: int, comm_timeout: float = 600.0) -> Mesh:
+    """Split `comm` (the world) into the tp, dp and pp groups of this rank. comm_timeout: each group's watchdog
+    deadline in seconds (comm/watchdog.py); the groups share one record of arrivals."""
+    from .watchdog import Arrivals
+
     shape = MeshShape.for_world(comm.Get_size(), tp, pp)
     shape.check_nodes(ranks_per_node)
     pp_i, dp_i, tp_i = shape.coords(comm.Get_rank())
+    arrivals = Arrivals(world=comm)                       # a timeout aborts the whole job
+
+    def group(sub, name):
+        world_ranks = sub.Get_group().Translate_ranks(list(range(sub.Get_size())), comm.Get_group())
+        return MPIGroup(sub, name, comm_timeout, world_ranks, arrivals)
+
     tp_comm = comm.Split(color=pp_i * shape.dp + dp_i, key=tp_i)
     dp_comm = comm.Split(color=pp_i * shape.tp + tp_i, key=dp_i)
     pp_comm = comm.Split(color=dp_i * shape.tp + tp_i, key=pp_i)
     stage_comm = comm.Split(color=pp_i, key=dp_i * shape.tp + tp_i)
-    return Mesh(shape, MPIGroup(comm, "world"), MPIGroup(tp_comm, "tp"), MPIGroup(dp_comm, "dp"),
-                MPIGroup(pp_comm, "pp"), ranks_per_node, MPIGroup(stage_comm, "stage"))
+    return Mesh(shape, group(comm, "world"), group(tp_comm, "tp"), group(dp_comm, "dp"), group(pp_comm, "pp"),
+                ranks_per_node, group(stage_comm, "stage"))

@@ -37,7 +37,8 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
     gen_groups = micro_batches(len(seqs), min(schedule.gen_micro_batches, cap), exact)
     cache = KVCache(model.ops, model.num_local_layers, len(seqs), model.kv_heads_local,
                     max((s.capacity for s in seqs), default=1), arch.head_dim, schedule.kv_offload,
-                    stage.first_layer, max(max(len(g) for g in prompt_groups + gen_groups), 1))
+                    stage.first_layer, max(max(len(g) for g in prompt_groups + gen_groups), 1),
+                    kv_format=model.kv_format)
     runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits,
                           lockstep)
     start = time.perf_counter()

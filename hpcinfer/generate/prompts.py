@@ -19,25 +19,41 @@ class Prompt:
 
 def load_prompts(path: str, arch, tokenizer) -> list[Prompt]:
     """Read and check every prompt; raises InputError naming the file, the line and what is wrong."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise InputError(f"prompt file '{path}' does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"prompt file '{path}' cannot be read: {exc}") from None
-    prompts, seen = [], set()
-    for number, line in enumerate(lines, start=1):
+    prompts, seen = [], {}
+    for number, line in _lines(path):
         if not line.strip():
             continue
         prompt = _parse_line(f"{path}:{number}", line, arch, tokenizer, number)
         if prompt.id in seen:
-            raise InputError(f"{path}:{number}: id {prompt.id!r} appears more than once")
-        seen.add(prompt.id)
+            raise InputError(f"{path}:{number}: id {prompt.id!r} appears more than once (lines {seen[prompt.id]} "
+                             f"and {number}); ids must be unique")
+        seen[prompt.id] = number
         prompts.append(prompt)
     if not prompts:
         raise InputError(f"prompt file '{path}' holds no prompts")
     return prompts
+
+
+def _lines(path: str) -> list[tuple[int, str]]:
+    """(line number, text) of each line. Lines end at "\n" only (JSON Lines), "\r\n" too; other Unicode line
+    breaks (U+2028 ...) may stand inside a JSON string. A UTF-8 byte order mark at the start is skipped."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise InputError(f"prompt file '{path}' does not exist") from None
+    except (OSError, ValueError) as exc:              # ValueError: a NUL character in the path
+        raise InputError(f"prompt file {path!r} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    lines = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            lines.append((number, raw.removesuffix(b"\r").decode("utf-8")))
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{path}:{number}: cannot be read as UTF-8 (byte {raw[exc.start]:#04x} at column "
+                             f"{exc.start + 1}); save the prompt file as UTF-8") from None
+    return lines
 
 
 def _parse_line(where: str, line: str, arch, tokenizer, number: int) -> Prompt:
@@ -45,6 +61,8 @@ def _parse_line(where: str, line: str, arch, tokenizer, number: int) -> Prompt:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:                      # e.g. an integer of more than 4300 digits (sys.int_info)
+        raise InputError(f"{where}: not valid JSON for hpcinfer ({str(exc).split(':')[0]})") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object with \"id\" and \"tokens\" or \"text\"")
     unknown = [k for k in obj if k not in PROMPT_KEYS]
@@ -77,6 +95,11 @@ def _tokens(where: str, obj: dict, arch, tokenizer) -> list:
         raise InputError(f"{where}: \"text\" must be a string")
     if not isinstance(chat, bool):
         raise InputError(f"{where}: \"chat\" must be true or false")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:              # JSON allows lone surrogates ("\\ud800"); tokenizers do not
+        raise InputError(f"{where}: \"text\" holds a lone surrogate ({text[exc.start]!r} at character "
+                         f"{exc.start + 1}), which is not Unicode text") from None
     if tokenizer is None:
         raise InputError(f"{where}: a \"text\" prompt needs a tokenizer, and the checkpoint has none; "
                          f"give \"tokens\" instead or convert a model that ships a tokenizer")

@@ -25,6 +25,16 @@ def weight_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def read_rows_into(ckpt, name: str, rows: slice, out: np.ndarray) -> None:
+    """out[...] = the tensor's leading rows `rows`, read straight into `out` when the file stores its dtype (no
+    intermediate copy), else through one block read and a cast: loading holds this rank's shard plus at most one
+    tensor (docs/checkpoint-format.md)."""
+    if hasattr(ckpt, "read_into") and weight_dtype(ckpt.dtype) == out.dtype and out.flags.c_contiguous:
+        ckpt.read_into(name, rows, out)
+    else:
+        out[...] = ckpt.read(name, rows)
+
+
 def even_shard(total: int, parts: int, index: int) -> slice:
     """Rows of shard `index` when `total` splits evenly into `parts` (checked when the config is validated)."""
     assert total % parts == 0, (total, parts)
@@ -78,9 +88,12 @@ class ColumnParallelLinear:
         parts = [load_matrix(ckpt, f"{name}.weight", rows=r) for name, r in zip(self.names, rows)]
         if all(p is not None for p in parts):
             self.qw = concat_rows(parts)
-        else:
-            w = np.concatenate([ckpt.read(f"{name}.weight", r) for name, r in zip(self.names, rows)])
-            self.w = self.ops.asarray(w.astype(self.dtype, copy=False))
+        else:                                                     # each part read into its rows of w: no concat copy
+            w = np.empty((sum(self.local_sizes), ckpt.shape(f"{self.names[0]}.weight")[1]), self.dtype)
+            starts = np.cumsum([0] + self.local_sizes)
+            for name, r, a, b in zip(self.names, rows, starts[:-1], starts[1:]):
+                read_rows_into(ckpt, f"{name}.weight", r, w[a:b])
+            self.w = self.ops.asarray(w)
         if self.bias:
             b = np.concatenate([ckpt.read(f"{name}.bias", r) for name, r in zip(self.names, rows)])
             self.b = self.ops.asarray(b.astype(np.float32, copy=False))
@@ -106,7 +119,10 @@ class RowParallelLinear:
                               row_max=lambda m: self.tp.all_gather(np.ascontiguousarray(m)).max(axis=0))
         if self.qw is None:
             block = ckpt.read(f"{self.name}.weight", rows)            # stored [in_local, out]
-            self.w = self.ops.asarray(block.T.astype(self.dtype, copy=False))     # [out, in_local], contiguous
+            w = np.empty(block.shape[::-1], self.dtype)               # [out, in_local]: one transposing copy
+            w[...] = block.T
+            del block
+            self.w = self.ops.asarray(w)
         if self.bias:
             self.b = self.ops.asarray(ckpt.read(f"{self.name}.bias").astype(np.float32, copy=False))
 
@@ -133,10 +149,9 @@ class VocabParallelEmbedding:
         if qt is not None:
             self.qtable = pad_rows(qt, self.rows)
             return
-        block = ckpt.read(self.name, slice(self.start, self.stop)).astype(self.dtype)
-        if block.shape[0] < self.rows:
-            block = np.concatenate([block, np.zeros((self.rows - block.shape[0], block.shape[1]), self.dtype)])
-        self.table = self.ops.asarray(block)
+        table = np.zeros((self.rows, ckpt.shape(self.name)[1]), self.dtype)     # [Vs, D], the padding rows zero
+        read_rows_into(ckpt, self.name, slice(self.start, self.stop), table[:self.stop - self.start])
+        self.table = self.ops.asarray(table)
 
     def embed(self, ids):                                         # ids [T] (host ints) -> [T, D]
         lookup = (self.ops.embedding if self.qtable is None else
