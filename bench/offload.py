@@ -51,6 +51,7 @@ class Setup:
     keys: dict = field(default_factory=dict)     # [offload] keys (disk_dir and budgets are added)
     budget: bool = True          # run under the device budget (the reference does not)
     threads: int = 0             # BLAS threads; 0 = --threads (default: every usable CPU, as `hpcinfer run`)
+    quantize: str = "none"       # [model] quantize: the weights (and what the tiers move) int8 / int4
 
 
 def setups(args) -> list[Setup]:
@@ -83,6 +84,23 @@ def setups(args) -> list[Setup]:
         Setup("cache host: zig-zag, cpu_attention", "cache", "the same, cpu_attention on",
               {**host, **zz, **cache_host, "prefetch_layers": 1, "cpu_attention": True}),
     ]
+
+
+def quant_setups(args) -> list[Setup]:
+    """--quant: float32, int8 and int4 weights (`[model] quantize`), each all on the device (its reference) and
+    streamed from host memory and from disk with the zig-zag schedule, prefetch 1."""
+    b, k = args.batch // args.gpu_batches, args.gpu_batches
+    zz = dict(schedule="zigzag", gpu_batch_size=b, num_gpu_batches=k, prefetch_layers=1)
+    out = []
+    for mode in ("none", "int8", "int4"):
+        label = "float32" if mode == "none" else mode
+        out += [Setup(f"{label}: all on device", "reference", f"{label} weights, no offload", {}, budget=False,
+                      quantize=mode),
+                Setup(f"{label}: host zig-zag", label, f"{label} weights in host memory, {k} GPU batches of {b}",
+                      {"weights_gpu": 0, "weights_cpu": 100, **zz}, quantize=mode),
+                Setup(f"{label}: disk zig-zag", label, f"{label} weights on disk, {k} GPU batches of {b}",
+                      {"weights_gpu": 0, "weights_cpu": 0, **zz}, quantize=mode)]
+    return out
 
 
 # ---- bandwidths --------------------------------------------------------------------------------------------------
@@ -128,7 +146,7 @@ def measure_bandwidths(folder: str, size: int) -> dict:
 
 # ---- one run -----------------------------------------------------------------------------------------------------
 
-def write_config(folder: Path, args, keys: dict, budget: bool, disk_dir: str) -> Path:
+def write_config(folder: Path, args, keys: dict, budget: bool, disk_dir: str, quantize: str = "none") -> Path:
     def value(v):
         return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v) if isinstance(v, str) else v
 
@@ -137,7 +155,7 @@ def write_config(folder: Path, args, keys: dict, budget: bool, disk_dir: str) ->
         offload["disk_dir"] = disk_dir
         if budget:
             offload["device_memory"] = args.device_memory
-    lines = [f'[model]\ncheckpoint = "{args.checkpoint}"\ndtype = "float32"\n',
+    lines = [f'[model]\ncheckpoint = "{args.checkpoint}"\ndtype = "float32"\nquantize = "{quantize}"\n',
              f'[generate]\nprompts = "unused.jsonl"\noutput = "unused.jsonl"\nmax_new_tokens = {args.new_tokens}\n'
              f"batch_size = {args.batch}\nignore_eos = true\n"]
     if offload:
@@ -158,11 +176,12 @@ def run_setup(setup: Setup, prompts: list, args, work: Path) -> dict:
     from hpcinfer.model.transformer import Decoder
     from hpcinfer.offload.budget import check_budgets, plan_bytes
     from hpcinfer.parallel.stages import partition_layers
+    from hpcinfer.quant.storage import configure, quant_of
     from hpcinfer.runtime import _weight_tiers
     from threadpoolctl import threadpool_limits
 
     disk_dir = work / "disk"
-    config = load_config(str(write_config(work, args, setup.keys, setup.budget, str(disk_dir))))
+    config = load_config(str(write_config(work, args, setup.keys, setup.budget, str(disk_dir), setup.quantize)))
     off = config.offload
     lengths = [len(p) for p in prompts]
     meter = CpuMeter()
@@ -170,10 +189,12 @@ def run_setup(setup: Setup, prompts: list, args, work: Path) -> dict:
     t0 = time.perf_counter()
     with open_checkpoint(args.checkpoint) as ckpt:
         arch = ckpt.arch
+        configure(ckpt, config.model.quantize, config.model.quantize_group)     # as job._check_quantization
+        quantized = quant_of(ckpt)
         stages = partition_layers(arch, 1)
-        plan = plan_bytes(arch, config, stages[0], lengths) if off.active else None
+        plan = plan_bytes(arch, config, stages[0], lengths, quantized) if off.active else None
         if off.active:
-            check_budgets(arch, config, stages, lengths)             # the CLI's check, before any weight is read
+            check_budgets(arch, config, stages, lengths, quantized)  # the CLI's check, before any weight is read
         model = Decoder(ops, Groups(), arch, "float32")
         model.weights = _weight_tiers(config, model, ops, 0)
         model.load(ckpt, after_block=model.weights.place if model.weights is not None else None)
@@ -193,6 +214,7 @@ def run_setup(setup: Setup, prompts: list, args, work: Path) -> dict:
     generated = sum(len(t) for t, _ in out)
     figures = {
         "name": setup.name, "group": setup.group, "role": setup.role, "offload": setup.keys,
+        "quantize": setup.quantize,
         "device_memory": parse_bytes(off.device_memory), "blas_threads": threads,
         "load_s": load_s, "run_s": run_s, "prefill_s": times.prefill_s, "decode_s": float(sum(times.decode_s)),
         "generated_tokens": generated, "tokens_per_s": generated / run_s,
@@ -252,8 +274,7 @@ def recommended(args, arch, prompt_len: int, budget: int, work: Path):
     details["runtime_policy"] = keys
     details["weights_gpu_lowered_by"] = steps
     role = "the LP's policy for this machine and budget" + (
-        f" (weights_gpu lowered to {keys['weights_gpu']:g}: the runtime keeps the embedding tables on the device, "
-        "the cost model spreads them over the layers)" if steps else "")
+        f" (weights_gpu lowered to {keys['weights_gpu']:g} to pass the runtime's budget check)" if steps else "")
     return Setup("plan: search_policy", "policy", role, keys), details
 
 
@@ -294,7 +315,8 @@ def _gb(n) -> str:
 def markdown(result: dict) -> str:
     s, bw = result["settings"], result["bandwidth"]
     lines = [f"# Offload benchmark, {result['date']}", "",
-             f"SmolLM2-135M float32 ({s['model_bytes'] / MB:.0f} MB of weights, {s['layers']} layers of "
+             f"SmolLM2-135M {'float32, int8 and int4 (`[model] quantize`, group 64)' if s.get('quant') else 'float32'}"
+             f" ({s['model_bytes'] / MB:.0f} MB of float32 weights, {s['layers']} layers of "
              f"{s['layer_bytes'] / MB:.1f} MB), batch {s['batch']} x {s['prompt_len']} prompt tokens, "
              f"{s['new_tokens']} generated tokens each, greedy; device budget {s['device_memory'] / MB:.0f} MB "
              f"(the model is {s['model_bytes'] / s['device_memory']:.1f}x the budget). NumPy backend, one process, "
@@ -303,7 +325,7 @@ def markdown(result: dict) -> str:
              f"{bw['memcpy'] / 1e9:.2f}), disk read warm {bw['disk_read_warm'] / 1e9:.2f} GB/s, cold "
              f"{bw['disk_read_cold'] / 1e9:.2f} GB/s.", "",
              "Each row is the fastest of its whole runs (every run's time and the CPUs other processes used "
-             "meanwhile are in the JSON: `samples_s`, `samples_other_cpus`).", "",
+             "meanwhile are in the JSON: `samples_s`, `samples_other_cpus`)." + _load_note(result["runs"]), "",
              "| run | what | tokens/s | run s (prefill + decode) | weights GB from host / disk | KV GB moved | "
              "transfer floor s | floor / run | peak device weights MB | plan device MB | runs (s) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -325,7 +347,22 @@ def markdown(result: dict) -> str:
               "cache (the files were just written; the cold figure is the floor if they did not). FlexGen reports "
               "7.32 vs 0.60 tokens/s (12x) for its policy against ZeRO-Inference with OPT-30B on a T4, where "
               "PCIe, not compute, bounds the run.", ""]
+    if s.get("quant"):
+        lines += ["Quantized weights: the tiers move the QuantizedTensors (q, scale, min), so the bytes read from "
+                  "host memory or disk fall by the format's ratio; on the NumPy backend each int8 / int4 matmul "
+                  "dequantizes its weight first, so compute, not the transfer, bounds these runs, and the "
+                  "throughput gain of moving fewer bytes shows only where the link is the bottleneck "
+                  "(transfer floor / run).", ""]
     return "\n".join(lines)
+
+
+def _load_note(runs: list) -> str:
+    """The other processes' CPU use during the runs, when it was large enough to matter."""
+    other = [x for r in runs for x in r.get("samples_other_cpus") or [] if x is not None]
+    if not other or max(other) < 0.5:
+        return ""
+    return (f" Other processes used {min(other):.2f} to {max(other):.2f} CPUs during the runs: the times, and "
+            "the throughput ratios, carry that noise; the bytes moved do not.")
 
 
 def ratios(runs: dict) -> dict:
@@ -351,6 +388,23 @@ def ratios(runs: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def quant_ratios(runs: dict) -> dict:
+    """--quant: weight bytes moved and throughput of int8 / int4 against float32, per tier."""
+    out = {}
+    for tier, key in (("host", "weights_bytes_from_host"), ("disk", "weights_bytes_from_disk")):
+        base = runs.get(f"float32: {tier} zig-zag")
+        for mode in ("int8", "int4"):
+            run = runs.get(f"{mode}: {tier} zig-zag")
+            if base and run and run[key]:
+                out[f"{tier}: float32 / {mode} weight bytes moved"] = base[key] / run[key]
+                out[f"{tier}: {mode} / float32 tokens/s"] = run["tokens_per_s"] / base["tokens_per_s"]
+    for mode in ("float32", "int8", "int4"):
+        ref, run = runs.get(f"{mode}: all on device"), runs.get(f"{mode}: host zig-zag")
+        if ref and run:
+            out[f"{mode}: host zig-zag / all on device tokens/s"] = run["tokens_per_s"] / ref["tokens_per_s"]
+    return out
+
+
 # ---- main --------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -365,6 +419,8 @@ def parse_args(argv=None):
     p.add_argument("--work", default=None, help="folder for the disk tier (default: a temporary folder)")
     p.add_argument("--only", default=None, help="comma-separated groups to run (reference,host,disk,cache,policy)")
     p.add_argument("--no-policy", action="store_true", help="skip lp.search_policy")
+    p.add_argument("--quant", action="store_true",
+                   help="float32 vs int8 vs int4 weights streamed from host and disk (writes offload-quant-DATE.*)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="BLAS threads of the runs (default: every usable CPU, as `hpcinfer run` on one rank)")
     p.add_argument("--repeats", type=int, default=2, help="rounds over every setup; each reports its fastest run")
@@ -398,9 +454,9 @@ def main(argv=None) -> int:
         log("measuring tier bandwidths")
         bw = measure_bandwidths(str(work_root), 256 * 2**20)
         log(", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in bw.items() if k != "bytes"))
-        todo = setups(args)
-        policy_search = "skipped (--no-policy)"
-        if not args.no_policy:
+        todo = quant_setups(args) if args.quant else setups(args)
+        policy_search = "skipped (--no-policy)" if not args.quant else "skipped (--quant)"
+        if not args.no_policy and not args.quant:
             log("lp.search_policy on a measured profile")
             setup, details = recommended(args, arch, args.prompt_len, budget, work_root)
             policy_search = details
@@ -444,10 +500,11 @@ def main(argv=None) -> int:
     runs.update({name: {"name": name, "error": err} for name, err in errors.items() if name not in runs})
 
     ok = {k: v for k, v in runs.items() if "error" not in v}
-    reference = ok.get("all on device", next(iter(ok.values()), None))
-    checks = {"same_tokens_as_all_on_device": sorted(k for k, v in ok.items() if v["tokens"] == reference["tokens"])
-              if reference else [],
-              "different_tokens": sorted(k for k, v in ok.items() if reference and v["tokens"] != reference["tokens"]),
+    references = {v["quantize"]: v for v in ok.values() if v["group"] == "reference"}   # per weight format
+    same = {k: v["quantize"] in references and v["tokens"] == references[v["quantize"]]["tokens"]
+            for k, v in ok.items()}
+    checks = {"same_tokens_as_all_on_device": sorted(k for k, v in same.items() if v),
+              "different_tokens": sorted(k for k, v in same.items() if not v),
               "peak_weights_within_budget": all(v["weights_peak_device_bytes"] <= budget for v in ok.values()),
               "failed": {k: v["error"] for k, v in runs.items() if "error" in v}}
     date = _dt.date.today().isoformat()
@@ -455,21 +512,22 @@ def main(argv=None) -> int:
         "date": date, "git_commit": git_commit(), "machine": machine_info(),
         "settings": {"checkpoint": args.checkpoint, "batch": args.batch, "gpu_batches": args.gpu_batches,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "device_memory": budget,
-                     "blas_threads": args.threads,
+                     "blas_threads": args.threads, "quant": args.quant,
                      "model_bytes": arch.param_count() * 4, "layers": arch.num_layers,
                      "layer_bytes": layer_params(arch) * 4},
         "repeats": args.repeats, "bandwidth": bw, "policy_search": policy_search,
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in ok.values()],
-        "failed": checks["failed"], "ratios": ratios(ok), "checks": checks,
+        "failed": checks["failed"], "ratios": quant_ratios(ok) if args.quant else ratios(ok), "checks": checks,
         "wall_s": time.perf_counter() - t_start,
     }
     text = markdown(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"offload-{date}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out / f"offload-{date}.md").write_text(text)
+    stem = f"offload-quant-{date}" if args.quant else f"offload-{date}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / f"{stem}.md").write_text(text)
     print(text)
-    log(f"done in {result['wall_s']:.0f} s: {out / f'offload-{date}.json'}, {out / f'offload-{date}.md'}")
+    log(f"done in {result['wall_s']:.0f} s: {out / f'{stem}.json'}, {out / f'{stem}.md'}")
     return 0 if not checks["failed"] and not checks["different_tokens"] else 1
 
 

@@ -11,7 +11,11 @@ What must hold:
   a model several times larger than the device budget runs within it;
 - the disk tier is files, one per tensor, read back during the run; disk layers have no host copy;
 - zig-zag fetches each streamed layer once per token step for the whole block, row once per GPU batch per step;
-- a host-resident KV cache leaves the device (one staging cache, or none with CPU attention).
+  the prefetch wraps from the last layer of a step into the next step;
+- a host-resident KV cache leaves the device (one staging cache, or none with CPU attention);
+- int8 / int4 weights stream as QuantizedTensors, their quantized bytes counted and moved, with the tokens of the
+  quantized run without offload;
+- the runtime, the budget plan and the planner's cost model count the same bytes (tables and layers).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from hpcinfer.job import _offloaded_batch
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.offload import zigzag
 from hpcinfer.offload.budget import check_budgets, plan_bytes
-from hpcinfer.offload.tiers import WeightTiers, layer_tensors, place_layers
+from hpcinfer.offload.tiers import WeightTiers, layer_tensors, parts_of, place_layers
 from hpcinfer.parallel.stages import partition_layers
 from hpcinfer.runtime import _weight_tiers
 
@@ -127,6 +131,14 @@ def fetch_log(monkeypatch):
     monkeypatch.setattr(WeightTiers, "fetch", logged_fetch)
     monkeypatch.setattr(WeightTiers, "_read", logged_read)
     return log
+
+
+def tail_reads(tiers: WeightTiers) -> int:
+    """Bytes of the layers prefetched past a run's last token step: the first streamed layers of a step that never
+    comes (the prefetch wraps from the last layer of a step to the first of the next); `close` drops them."""
+    streamed = [i for i, t in enumerate(tiers.tiers) if t != "device"]
+    extra = min(tiers.prefetch_layers, len(streamed) - 1) if tiers.pool is not None else 0
+    return sum(tiers.layer_bytes[i] for i in streamed[:max(extra, 0)])
 
 
 def window_bound(tiers: WeightTiers) -> int:
@@ -347,9 +359,10 @@ def test_the_disk_tier_is_one_file_per_tensor_read_back_during_the_run(prompts, 
     assert tiers.tiers == ["device", "disk", "disk", "disk"]
     rank_dir = Path(off.disk_dir) / "rank00000"                                 # runtime._weight_tiers' folder
     files = sorted(rank_dir.iterdir())
-    expected = sorted(Path(p) for (layer, _), p in tiers.disk.items() if tiers.tiers[layer] == "disk")
+    expected = sorted(Path(p) for (layer, _), paths in tiers.disk.items() for p in paths
+                      if tiers.tiers[layer] == "disk")
     assert files == expected
-    assert len(files) == sum(len(tiers.tensors[i]) for i in (1, 2, 3))         # one file per tensor
+    assert len(files) == sum(len(tiers.tensors[i]) for i in (1, 2, 3))         # one file per (float) tensor
     payload = sum(int(np.load(f, mmap_mode="r").nbytes) for f in files)
     assert payload == sum(tiers.layer_bytes[1:])
     # No copy of a disk layer anywhere but its files: not in the host store, not in the blocks.
@@ -362,7 +375,7 @@ def test_the_disk_tier_is_one_file_per_tensor_read_back_during_the_run(prompts, 
     out, _ = generate(model, prompts, off)
     assert out == dense_reference
     assert tiers.bytes_from_host == 0
-    assert tiers.bytes_from_disk == MAX_NEW * sum(tiers.layer_bytes[1:])       # zig-zag: once per step
+    assert tiers.bytes_from_disk == MAX_NEW * sum(tiers.layer_bytes[1:]) + tail_reads(tiers)   # once per step
     assert sorted({i for i, _ in fetch_log["read"]}) == [1, 2, 3]
 
 
@@ -412,10 +425,29 @@ def test_zigzag_loads_each_layer_once_per_step_row_once_per_gpu_batch(prompts, d
         counts[schedule] = {i: sum(1 for j, _ in fetch_log["read"] if j == i) for i in range(4)}
         moved[schedule] = model.weights.bytes_from_host
         layer_total = sum(model.weights.layer_bytes)
-    assert counts["zigzag"] == {i: MAX_NEW for i in range(4)}                   # once per token step
-    assert counts["row"] == {i: MAX_NEW * num_gpu_batches for i in range(4)}    # once per GPU batch per step
-    assert moved["zigzag"] == MAX_NEW * layer_total
-    assert moved["row"] == num_gpu_batches * moved["zigzag"]
+    # + 1 read of layer 0: prefetched (prefetch_layers = 1) after the last step, for a step that never comes
+    assert counts["zigzag"] == {i: MAX_NEW + (i == 0) for i in range(4)}                  # once per token step
+    assert counts["row"] == {i: MAX_NEW * num_gpu_batches + (i == 0) for i in range(4)}   # once per GPU batch, step
+    layer = layer_total // 4
+    assert moved["zigzag"] - layer == MAX_NEW * layer_total
+    assert moved["row"] - layer == num_gpu_batches * (moved["zigzag"] - layer)
+
+
+@pytest.mark.parametrize("schedule", ("row", "zigzag"))
+def test_the_prefetch_wraps_into_the_next_token_step(prompts, dense_reference, tmp_path, fetch_log, schedule):
+    """With prefetch, the last layer of step t starts reading the first streamed layer of step t + 1 (and row by
+    row, the last step of a GPU batch the first layer of the next GPU batch's first step): after the run's first
+    read, every read runs on the prefetch thread, none waits at a step's start."""
+    off = offload(tmp_path, weights_gpu=0, weights_cpu=100, schedule=schedule, num_gpu_batches=2)
+    model = build(preset("tiny-dense"), off)
+    out, _ = generate(model, prompts, off)
+    assert out == dense_reference
+    main = threading.main_thread().name
+    reads = fetch_log["read"]
+    assert reads[0] == (0, main)                                        # the run's first layer, first step
+    assert all(name != main for _, name in reads[1:]), reads
+    assert [i for i, _ in reads] == [0, 1, 2, 3] * (len(reads) // 4) + [0]     # cyclic, one wrapped read at the end
+    assert model.weights.device_bytes == 0 and model.weights.pending == {}     # close() dropped it
 
 
 # ------------------------------------------------------------------------------------------------------- MoE
@@ -449,9 +481,7 @@ def test_moe_layers_stream_like_dense_ones(prompts, tmp_path, keys, fetch_log):
     tiers = model.weights
     experts = [i for i in range(4) if source.arch.experts_in(i)]
     assert experts == [1, 3] and tiers.layer_bytes[1] > 4 * tiers.layer_bytes[0]          # experts dominate
-    stacks = [(i, n) for i in experts for n, (h, k) in enumerate(tiers.tensors[i])
-              if isinstance(getattr(h, k, None), list) or isinstance(tiers.host.get((i, n)), list) or
-              isinstance(tiers.disk.get((i, n)), list)]
+    stacks = [(i, n) for i in experts for n, kind in enumerate(tiers.kinds[i]) if kind[0] == "list"]
     assert stacks, "no expert stack was found among the layer's tensors"
     assert tiers.peak_bytes <= window_bound(tiers)
     assert all(device <= window_bound(tiers) for _, device, _ in fetch_log["fetch"])
@@ -528,21 +558,119 @@ def test_the_row_schedule_refuses_a_host_resident_cache(tmp_path, keys):
     config_for(tmp_path, weights_gpu=0, weights_cpu=100, schedule="zigzag", **keys)       # zig-zag takes it
 
 
-# --------------------------------------------------------------------------------------- known shortcomings
+# ------------------------------------------------------------------------------------------ quantized weights
 
-@pytest.mark.xfail(strict=True, reason="BUG: offload/tiers.layer_tensors walks only hpcinfer.model / "
-                   "hpcinfer.parallel objects, so a quantized layer's QuantizedTensor (hpcinfer.quant) matrices "
-                   "are never moved to host or disk: they stay on the device, and layer_bytes counts only the "
-                   "norms and biases (3,328 of the ~53,000 bytes of an int8 layer here)")
-def test_quantized_matrices_are_streamed_too(prompts, tmp_path):
-    storage = pytest.importorskip("hpcinfer.quant.storage")
-    from hpcinfer.parallel.stages import layer_params
+def held_bytes(block) -> int:
+    """Bytes of the weights a block holds now (quantized parts, arrays, expert stacks)."""
+    return sum(int(a.nbytes) for h, k in layer_tensors(block) for a in parts_of(getattr(h, k)))
 
-    source = preset("tiny-dense")
-    storage.configure(source, "int8")                          # [model] quantize = "int8": quantized as it loads
-    reference, _ = generate(build(source), prompts)
-    off = offload(tmp_path, weights_gpu=0, weights_cpu=100)
+
+def quantized_preset(mode: str, layers: int | None = None) -> PresetSource:
+    """A preset quantized while it loads, as `[model] quantize = mode` does (quant/storage.configure)."""
+    from hpcinfer.quant.storage import configure
+
+    source = preset("tiny-dense", layers)
+    configure(source, mode, 64)
+    return source
+
+
+@pytest.fixture(scope="module")
+def quantized_reference(prompts):
+    """The all-on-device quantized runs: the tokens every offloaded quantized run must give."""
+    return {mode: generate(build(quantized_preset(mode)), prompts)[0] for mode in ("int8", "int4")}
+
+
+QUANT_CASES = [(mode, keys) for mode in ("int8", "int4") for keys in (
+    dict(weights_gpu=0, weights_cpu=100),
+    dict(weights_gpu=0, weights_cpu=0, prefetch_layers=2),
+    dict(weights_gpu=25, weights_cpu=25, schedule="zigzag", num_gpu_batches=2),
+    dict(weights_gpu=0, weights_cpu=50, schedule="zigzag", num_gpu_batches=4, prefetch_layers=0))]
+
+
+@pytest.mark.parametrize("mode, keys", QUANT_CASES,
+                         ids=[f"{m}-" + "-".join(f"{v}" for v in k.values()) for m, k in QUANT_CASES])
+def test_quantized_layers_stream_their_quantized_bytes(prompts, quantized_reference, tmp_path, mode, keys):
+    """int8 / int4 weights under offload: the QuantizedTensors (q, scale, min) move between the tiers, the bytes
+    counted and moved are the quantized bytes, and the tokens are those of the quantized run without offload."""
+    from hpcinfer.quant.formats import QuantizedTensor
+
+    source = quantized_preset(mode)
+    whole = [held_bytes(b) for b in build(source).blocks]
+    off = offload(tmp_path, **keys)
     model = build(source, off)
+    tiers = model.weights
+    assert tiers.layer_bytes == whole                                     # what the layers hold, quantized
+    float_layer = held_bytes(build(preset("tiny-dense")).blocks[0])
+    assert whole[0] < float_layer / (3.5 if mode == "int8" else 5)     # int8 ~4x, int4 (group 64) ~6.4x smaller
+    quant_slots = [n for n, kind in enumerate(tiers.kinds[3]) if kind[0] == "quant"]
+    assert len(quant_slots) == 4                                          # qkv, o, up, down
+    stored = tiers.host if tiers.tiers[3] == "host" else tiers.disk
+    assert all(len(stored[3, n]) == (2 if mode == "int8" else 3) for n in quant_slots)      # q, scale (, min)
+    assert all(getattr(h, k) is None for h, k in tiers.tensors[3])        # nothing of it left on the device
+    seen = []
+    fetch = tiers.fetch
+
+    def spy(i):
+        fetch(i)
+        seen.extend(type(getattr(h, k)) for h, k in tiers.tensors[i])
+
+    tiers.fetch = spy
     out, _ = generate(model, prompts, off)
-    assert out == reference
-    assert min(model.weights.layer_bytes) >= layer_params(source.arch)       # int8: a byte per matrix element
+    assert out == quantized_reference[mode]
+    assert QuantizedTensor in seen
+    streamed = [b for b, t in zip(tiers.layer_bytes, tiers.tiers) if t != "device"]
+    steps = MAX_NEW * (1 if off.schedule == "zigzag" else off.num_gpu_batches)
+    assert tiers.bytes_from_host + tiers.bytes_from_disk == steps * sum(streamed) + tail_reads(tiers)
+    assert tiers.peak_bytes <= window_bound(tiers)
+
+
+def test_quantized_disk_layers_are_files_of_their_quantized_parts(tmp_path):
+    """int4 on disk: one file per part (q uint8 packed, scale, min), nothing else."""
+    source = quantized_preset("int4")
+    off = offload(tmp_path, weights_gpu=0, weights_cpu=0)
+    tiers = build(source, off).weights
+    files = sorted((Path(off.disk_dir) / "rank00000").iterdir())
+    assert len(files) == sum(len(paths) for paths in tiers.disk.values())
+    assert sum(int(np.load(f, mmap_mode="r").nbytes) for f in files) == sum(tiers.layer_bytes)
+    q_files = [paths[0] for (i, n), paths in tiers.disk.items() if tiers.kinds[i][n][0] == "quant"]
+    assert q_files and all(np.load(p, mmap_mode="r").dtype == np.uint8 for p in q_files)
+    tiers.close()
+
+
+
+# ------------------------------------------------------------------ the planner and the runtime count alike
+
+def llama_like() -> PresetSource:
+    """tiny-dense reshaped as a Llama: RMSNorm (no bias), rotary positions, an untied LM head."""
+    arch = dataclasses.replace(PRESETS["tiny-dense"], norm="rmsnorm", position="rotary", rotary_dim=16,
+                               tied_embeddings=False)
+    return PresetSource("tiny-llama", arch)
+
+
+SIZE_CASES = {"gpt2-like": lambda: preset("tiny-dense"), "llama-like": llama_like,
+              "moe": lambda: preset("tiny-moe"), "int8": lambda: quantized_preset("int8"),
+              "int4": lambda: quantized_preset("int4")}
+
+
+@pytest.mark.parametrize("name", SIZE_CASES)
+def test_budget_cost_model_and_runtime_count_the_same_bytes(tmp_path, name):
+    """The embedding tables (token and position tables, final norm, LM head) and the layers, three ways: what the
+    runtime holds, budget.plan_bytes, and the cost model's ModelSizes. (The cost model used to spread the tables
+    over the layers as streamed weights while the runtime keeps them on the device; RMSNorm final norms and
+    quantized tensors were counted as float LayerNorm ones.)"""
+    from hpcinfer.offload.cost_model import ModelSizes
+    from hpcinfer.quant.storage import quant_of
+
+    source = SIZE_CASES[name]()
+    arch = source.arch
+    model = build(source)
+    tables = sum(held_bytes(part) for part in {id(p): p for p in (model.embed, model.positions, model.final_norm,
+                                                                  model.lm_head) if p is not None}.values())
+    layers = [held_bytes(b) for b in model.blocks]
+    config = config_for(tmp_path, weights_gpu=25, weights_cpu=75)
+    plan = plan_bytes(arch, config, partition_layers(arch, 1)[0], list(PROMPT_LENGTHS), quant_of(source))
+    sizes = ModelSizes.of(arch, "float32", quant_of(source))
+    assert plan["parts"]["embedding tables"] == sizes.table_bytes == tables
+    assert plan["parts"]["resident layers"] == layers[0] and plan["host"] == sum(layers[1:])
+    assert sizes.layer_weight_bytes * arch.num_layers == sum(layers)
+    assert sizes.total_weight_bytes == sum(layers) + tables

@@ -7,8 +7,8 @@ sequences early) is converted once per module; 8 prompts run in batches of 4 (tw
 replica one). MoE streaming runs on the "tiny-moe" preset with tp = 2, ep = 2 on 2 ranks (offload refuses MoE
 with dp > 1).
 
-Not tested (not implemented yet): the issue's multi-rank partitioned fetch, where each of N ranks fetches 1/N of
-a layer and an all-gather assembles it; with tp = 2 each rank streams its own tensor-parallel shard.
+Partitioned fetch (each of the dp = 2 replicas keeps and reads half of every layer, an all-gather assembles it)
+runs here end to end; tests/test_offload_partitioned.py checks its rounds and reads under MPI.
 """
 
 from __future__ import annotations
@@ -167,6 +167,54 @@ def test_tensor_parallel_ranks_stream_half_a_layer_each(job, reference, tmp_path
         assert (out / "output.jsonl").read_text() == (reference / "output.jsonl").read_text()
         peaks[tp] = metrics_of(out)["offload"]["weights_peak_device_bytes_per_rank"]
     assert 0.45 * peaks[1] <= peaks[2] <= 0.6 * peaks[1], peaks   # norms are replicated, the rest is split
+
+
+def test_partitioned_fetch_on_two_replicas_reads_each_layer_once_per_node(job, reference, tmp_path):
+    """dp = 2 on one node, weights on disk: with partitioned_fetch each replica keeps and reads half of every
+    layer and an all-gather assembles it; the output is the plain run's, and the disk bytes read fall from
+    (rank 0's fetches + rank 1's) whole layers to (the longer rank's fetches + 1) layers."""
+    moved = {}
+    for partitioned in ("false", "true"):
+        out, disk = tmp_path / f"out-{partitioned}", tmp_path / f"disk-{partitioned}"
+        done = job.run(out, "offload.weights_gpu=0", "offload.weights_cpu=0", f"offload.disk_dir={disk}",
+                       f"offload.partitioned_fetch={partitioned}", n=2)
+        assert done.returncode == 0, done.stderr
+        assert (out / "output.jsonl").read_text() == (reference / "output.jsonl").read_text()
+        moved[partitioned] = metrics_of(out)["offload"]["weights_bytes_from_disk"]
+        files = sorted(p.name for p in (disk / "rank00001").iterdir())
+        assert len(files) == (LAYERS if partitioned == "true" else len(files)) and files
+        if partitioned == "true":
+            assert all("-part-0001" in name for name in files), files        # one part file per layer
+    assert moved["true"] < 0.75 * moved["false"], moved
+
+
+def test_quantized_weights_stream_under_a_budget_only_they_fit(job, tmp_path):
+    """[model] quantize = "int8" with the weights in host memory: the tiers move the quantized tensors, the budget
+    check counts their quantized bytes (a device budget between the int8 plan and the float plan passes), and
+    the output is the quantized run's without offload. The float model under that budget is refused."""
+    from hpcinfer.checkpoint.format import open_checkpoint
+    from hpcinfer.quant.storage import configure, quant_of
+
+    int8 = ['model.quantize="int8"']
+    plain = job.run(tmp_path / "plain", *int8)
+    assert plain.returncode == 0, plain.stderr
+    config = load_config(str(job.config), [*int8, *HOST])
+    with open_checkpoint(str(job.ckpt)) as ckpt:
+        configure(ckpt, "int8")
+        plan = plan_bytes(job.arch, config, partition_layers(job.arch, 1)[0], list(PROMPT_LENGTHS),
+                          quant_of(ckpt))
+    float_plan = job.plan(*HOST)
+    window, float_window = plan["parts"]["streaming window"], float_plan["parts"]["streaming window"]
+    assert window < 0.3 * float_window and plan["device"] + 1000 < float_plan["device"], (plan, float_plan)
+    budget = int(plan["device"]) + 1000
+    done = job.run(tmp_path / "off", *int8, *HOST, f"offload.device_memory={budget}")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "off" / "output.jsonl").read_text() == (tmp_path / "plain" / "output.jsonl").read_text()
+    off = metrics_of(tmp_path / "off")["offload"]
+    assert 0 < off["weights_peak_device_bytes_per_rank"] <= plan["parts"]["streaming window"]
+    assert off["weights_bytes_from_host"] > 0
+    refused = job.run(tmp_path / "float", *HOST, f"offload.device_memory={budget}", timeout=BAD_TIMEOUT)
+    assert refused.returncode == 2 and "cannot hold this plan" in refused.stderr, refused.stderr
 
 
 def test_zigzag_moves_fewer_weight_bytes_than_row_by_row(job, reference, tmp_path):

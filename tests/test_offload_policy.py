@@ -3,7 +3,9 @@ answer can be derived by hand, the hardware profile's TOML, and `hpcinfer plan` 
 
 The tiny model (float32): D = 64, 4 layers, 4 heads, F = 256, V = 64, 128 learned positions, tied head, no biases.
   params: embed 64*64 + positions 128*64 + 4 * (norms 256 + qkv 3*4096 + o 4096 + mlp 2*16384) + final norm 128
-        = 4096 + 8192 + 4 * 49408 + 128 = 210048  ->  Wt = 840192 bytes, W = Wt / 4 = 210048 bytes per layer
+        = 4096 + 8192 + 4 * 49408 + 128 = 210048 (840192 bytes): a layer W = 49408 * 4 = 197632 bytes, the
+        layers WT = 790528 bytes (what streams), the embedding tables E = 12416 * 4 = 49664 bytes (always on the
+        device, as the runtime keeps them: offload/sizes.py)
   per token per layer: kv = 2 * 64 * 4 = 512 B, act = q = 256 B; f = 2 * 49408 = 98816 FLOPs, f_head = 2*64*64
 Workload: prompt s = 8, generate n = 4, gpu_batch_size b = 2, num_gpu_batches k = 1 (block B = 2).
 """
@@ -25,12 +27,12 @@ from hpcinfer.offload.profile import PRESETS, HardwareProfile, load_profile, res
 ARCH = ModelArch(family="test", vocab_size=64, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4,
                  head_dim=16, intermediate_size=256, max_positions=128, activation="gelu", tied_embeddings=True)
 S, N, B = 8, 4, 2
-W, WT, KV_TOKEN = 210048, 840192, 512
+W, WT, TABLES, KV_TOKEN = 197632, 790528, 49664, 512
 KV = B * (S + N) * KV_TOKEN * 4                   # the block's whole cache: 49152
 ACT = B * S * 256                                 # the block's activations at a layer boundary: 4096
 WORK = B * S * (2 * 256 + 256 + 512) + B * max(4 * S * S, S * 256) * 4 + B * 64 * 4   # 20480 + 16384 + 512
 # Device bytes with every weight streamed (2 layers resident: prefetch 1), cache and activations on the device:
-DEVICE_FOR_CACHE = 2 * W + KV + ACT + WORK        # 510720 < WT: too small for the weights
+DEVICE_FOR_CACHE = TABLES + 2 * W + KV + ACT + WORK     # 535552 < WT: too small for the weights
 
 
 def machine(device=10**12, host=10**12, disk=10**12, **rates) -> HardwareProfile:
@@ -86,10 +88,11 @@ RATES = dict(host_to_device=1e6, device_to_host=2e6, disk_to_host=1e5, host_to_d
 
 def test_sizes_of_the_tiny_model():
     z = ModelSizes.of(ARCH, "float32")
-    assert (z.total_weight_bytes, z.layer_weight_bytes, z.kv_bytes, z.act_bytes, z.query_bytes) == \
-        (WT, W, KV_TOKEN, 256, 256)
+    assert (z.total_weight_bytes, z.layer_weight_bytes, z.table_bytes, z.kv_bytes, z.act_bytes, z.query_bytes) == \
+        (WT + TABLES, W, TABLES, KV_TOKEN, 256, 256)
     assert (z.flops_per_token, z.head_flops) == (98816, 8192)
-    assert ModelSizes.of(ARCH, "float16").total_weight_bytes == WT // 2
+    half = ModelSizes.of(ARCH, "float16")            # matrices at 2 bytes; norms and positions stay float32
+    assert (half.layer_weight_bytes, half.table_bytes) == (256 * 4 + 49152 * 2, 4096 * 2 + (8192 + 128) * 4)
 
 
 def test_cost_model_by_hand():
@@ -98,33 +101,33 @@ def test_cost_model_by_hand():
     model = CostModel(ARCH, S, N, hw, "float32")
     pred = model.predict(policy(weights_gpu=0, weights_cpu=50))
     # prefill, per layer: weights in over the link, the disk half read from disk; nothing else moves
-    assert pred.prefill_terms["host_to_device"] == pytest.approx(W / 1e6)                  # 0.210048
-    assert pred.prefill_terms["disk_to_host"] == pytest.approx(0.5 * W / 1e5)              # 1.05024
+    assert pred.prefill_terms["host_to_device"] == pytest.approx(W / 1e6)                  # 0.197632
+    assert pred.prefill_terms["disk_to_host"] == pytest.approx(0.5 * W / 1e5)              # 0.98816
     assert pred.prefill_terms["device_to_host"] == pred.prefill_terms["host_to_disk"] == 0
     linear = max(2 * (S * 98816 + 8192 / 4) / 1e9, W / 1e10)                               # 1.585152e-3
     assert pred.prefill_terms["compute"] == pytest.approx(linear + B * 4 * 64 * S * S / 1e9)
     # decode, per layer and step: the same weight traffic; compute = linear layers + attention over s + n/2
-    assert pred.decode_terms["disk_to_host"] == pytest.approx(1.05024)
+    assert pred.decode_terms["disk_to_host"] == pytest.approx(0.98816)
     cache_read = B * (S + N / 2) * KV_TOKEN                                                # 10240 bytes
     attention = max(cache_read / 1e10, B * (S + N / 2) * 4 * 64 / 1e9)                      # flops bind: 5.12e-6
     assert pred.decode_terms["compute"] == pytest.approx(2 * (98816 + 2048) / 1e9 + attention)
     # overlap: each layer costs its slowest term (the disk here); L (T_pre + (n - 1) T_gen)
-    assert pred.prefill_s == pytest.approx(4 * 1.05024)
-    assert pred.decode_s == pytest.approx(4 * 3 * 1.05024)
-    assert pred.total_s == pred.latency_s == pytest.approx(16.80384)
-    assert pred.throughput == pytest.approx(B * N / 16.80384)
+    assert pred.prefill_s == pytest.approx(4 * 0.98816)
+    assert pred.decode_s == pytest.approx(4 * 3 * 0.98816)
+    assert pred.total_s == pred.latency_s == pytest.approx(15.81056)
+    assert pred.throughput == pytest.approx(B * N / 15.81056)
     assert pred.bottleneck == "decode: disk_to_host"
-    # peak memory: 2 streamed layers + cache + activations + one GPU batch's buffers; host and disk hold the halves
-    assert pred.peak["device"] == pytest.approx(2 * W + KV + ACT + WORK)
+    # peak memory: tables + 2 streamed layers + cache + activations + a GPU batch's buffers; host and disk: halves
+    assert pred.peak["device"] == pytest.approx(TABLES + 2 * W + KV + ACT + WORK)
     assert pred.peak["host"] == pytest.approx(0.5 * WT + 0.5 * W * 2)                      # + disk staging
     assert pred.peak["disk"] == pytest.approx(0.5 * WT)
     assert pred.fits
     # no overlap (prefetch 0): the terms add up
     flat = model.predict(policy(weights_gpu=0, weights_cpu=50, prefetch_layers=0))
-    t_pre = 0.210048 + 1.05024 + linear + B * 4 * 64 * S * S / 1e9
-    t_gen = 0.210048 + 1.05024 + 2 * (98816 + 2048) / 1e9 + attention
+    t_pre = 0.197632 + 0.98816 + linear + B * 4 * 64 * S * S / 1e9
+    t_gen = 0.197632 + 0.98816 + 2 * (98816 + 2048) / 1e9 + attention
     assert flat.total_s == pytest.approx(4 * t_pre + 4 * 3 * t_gen)
-    assert flat.peak["device"] == pytest.approx(W + B * S * 256 + KV + ACT - B * S * 256 + WORK)   # 1 layer, 1 buf
+    assert flat.peak["device"] == pytest.approx(TABLES + W + KV + ACT + WORK)             # 1 layer, 1 buffer
 
 
 def test_cost_model_schedules_and_cpu_attention():
@@ -147,6 +150,27 @@ def test_cost_model_schedules_and_cpu_attention():
     assert delegated.decode_terms["compute"] == pytest.approx(2 * (98816 + 2048) / 1e9 + host_attention)
     assert moved.prefill_terms["device_to_host"] == pytest.approx(B * S * KV_TOKEN / 2e6)  # the new cache out
     assert moved.peak["host"] == pytest.approx(KV)
+
+
+def test_cost_model_counts_quantized_bytes_as_the_runtime_holds_them():
+    """[model] quantize = "int8" (one float32 scale per output row): per layer, norms 256 * 4 + q, k, v, o 4 x
+    (4096 + 64 * 4) + up [256, 64] (16384 + 256 * 4) + down held [64, 256] (16384 + 64 * 4) = 52480 bytes; tables:
+    token table 4096 + 64 * 4, positions (float32) 32768, final norm 512 = 37632. The weight traffic shrinks by
+    that ratio, and the planner then keeps more on the device for the same budget."""
+    from hpcinfer.quant.storage import is_quantizable
+
+    int8 = lambda name: ("int8", 64) if is_quantizable(name) else None
+    z = ModelSizes.of(ARCH, "float32", int8)
+    assert (z.layer_weight_bytes, z.table_bytes) == (52480, 37632)
+    hw = HardwareProfile(device_memory=10**9, host_memory=10**9, disk_memory=10**9, **RATES)
+    pred = CostModel(ARCH, S, N, hw, "float32", int8).predict(policy(weights_gpu=0, weights_cpu=50))
+    assert pred.decode_terms["disk_to_host"] == pytest.approx(0.5 * 52480 / 1e5)
+    assert pred.decode_terms["host_to_device"] == pytest.approx(52480 / 1e6)
+    assert pred.peak["disk"] == pytest.approx(0.5 * 4 * 52480)
+    budget = machine(device=DEVICE_FOR_CACHE, host=600000)                 # weights spill to disk in float32
+    _, float32 = solve_placement(ARCH, S, N, 2, 1, budget, cpu_attention=True)
+    p, quantized = solve_placement(ARCH, S, N, 2, 1, budget, cpu_attention=True, quant_of=int8)
+    assert float32.peak["disk"] > 0 and p.weights_disk == 0 and quantized.total_s < float32.total_s
 
 
 # ---- the LP ----------------------------------------------------------------------------------------------------
@@ -179,13 +203,13 @@ def test_lp_weights_on_host_cache_on_device():
 def test_lp_spills_weights_to_disk():
     """Device as above (cache and activations held there), host 600 KB. Streaming from disk stages 2 layers in
     host memory (2 W), so the host holds wc WT + (1 - wc) 2 W + scratch <= 600000:
-    wc <= (600000 - 2 W - 384) / (WT - 2 W) = 179520 / 420096 = 0.4273; the slow disk binds, so the LP keeps as
-    much on the host as fits: 42.73 %, printed as 42 (43 would not fit) with 58 % on disk."""
+    wc <= (600000 - 2 W - 384) / (WT - 2 W) = 204352 / 395264 = 0.5170; the slow disk binds, so the LP keeps as
+    much on the host as fits: 51.70 %, printed as 51 (52 would not fit) with 49 % on disk."""
     hw = machine(device=DEVICE_FOR_CACHE, host=600000)
     p, pred = solve_placement(ARCH, S, N, 2, 1, hw, cpu_attention=True, fixed={"cache_gpu": 100, "act_gpu": 100})
     bound = (600000 - 2 * W - 384) / (WT - 2 * W)
-    assert (p.weights_gpu, p.weights_cpu, p.weights_disk) == (0, math.floor(100 * bound), 58)
-    assert pred.fits and pred.peak["disk"] == pytest.approx(0.58 * WT)
+    assert (p.weights_gpu, p.weights_cpu, p.weights_disk) == (0, math.floor(100 * bound), 49) == (0, 51, 49)
+    assert pred.fits and pred.peak["disk"] == pytest.approx(0.49 * WT)
     assert pred.bottleneck == "decode: disk_to_host"
     # Unpinned, the disk is still needed: weights + cache + activations exceed device + host.
     p, pred = solve_placement(ARCH, S, N, 2, 1, hw)
@@ -262,12 +286,26 @@ def test_cli_plan(run_cli, repo_root):
     assert "# candidates (the 5 fastest" in out
 
 
+def test_cli_plan_quantized_weights(run_cli, repo_root):
+    """--quantize int4: GPT-13B's 25.7 GB of fp16 weights become 8.1 GB (q at half a byte per weight, a float32
+    scale and minimum per 64), which the 16 GB T4 holds: the plan keeps every weight on the device."""
+    result = run_cli(["plan", "--model", "gpt-13b", "--prompt-len", "512", "--gen-len", "32", "--profile",
+                      "t4-16gb", "--dtype", "float16", "--quantize", "int4", "--candidates", "0"], cwd=repo_root,
+                     timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "float16, matrices int4: 8.1 GB of weights" in result.stdout
+    assert tomllib.loads(result.stdout)["offload"]["weights_gpu"] == 100
+
+
 @pytest.mark.parametrize("args, words", [
     (["--model", "gpt-4", "--profile", "t4-16gb"], ["'gpt-4'", "preset", "gpt-13b"]),
     (["--model", "gpt-13b", "--profile", "v100-nope"], ["v100-nope", "t4-16gb"]),
     (["--model", "missing.h5", "--profile", "t4-16gb"], ["missing.h5", "does not exist"]),
     (["--model", "gpt-13b", "--profile", "t4-16gb", "--device-memory", "lots"], ["--device-memory", "lots"]),
-    (["--model", "lm-175b", "--profile", "t4-16gb", "--disk-memory", "1GB"], ["does not fit", "disk"]),
+    (["--model", "lm-175b", "--profile", "t4-16gb", "--disk-memory", "1GB", "--dtype", "float16"],
+     ["does not fit", "the disk tier"]),
+    # float32: the tables (2.7 GB, always on the device) and two streamed 7.2 GB layers exceed the 16 GB device
+    (["--model", "lm-175b", "--profile", "t4-16gb"], ["does not fit", "the device tier"]),
 ])
 def test_cli_plan_bad_input_is_one_error_line(run_cli, repo_root, tmp_path, args, words):
     result = run_cli(["plan", *args], cwd=repo_root, timeout=120)

@@ -6,7 +6,7 @@ from ..config import parse_bytes
 from ..errors import ConfigError
 from ..generate.kv_cache import kv_bytes_per_token
 from ..generate.schedule import micro_batches
-from ..model.arch import tensor_shapes
+from .sizes import layer_bytes, table_bytes
 from .tiers import place_layers
 
 
@@ -14,39 +14,20 @@ def itemsize(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
-def _layer_bytes(arch, layer: int, size: int, tp: int) -> int:
-    """Bytes one rank holds of layer `layer`: its matrices split over tp, its vectors (norms, biases) whole."""
-    prefix = f"layers.{layer}."
-    total = 0
-    for name, shape in tensor_shapes(arch).items():
-        if name.startswith(prefix):
-            numel = 1
-            for d in shape:
-                numel *= d
-            total += numel * size // (tp if len(shape) >= 2 and ".router." not in name else 1)
-    return total
-
-
-def _table_bytes(arch, stage, size: int, tp: int) -> int:
-    """Embedding (and position table) on the first stage, final norm and LM head on the last."""
-    D = arch.hidden_size
-    table = -(-arch.vocab_size // tp) * D * size
-    first = table + (arch.max_positions * D * size if arch.position == "learned" else 0)
-    last = (0 if arch.tied_embeddings and stage.is_first else table) + 2 * D * 4
-    return (first if stage.is_first else 0) + (last if stage.is_last else 0)
-
-
-def plan_bytes(arch, config, stage, prompt_lengths: list) -> dict:
+def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_share: int = 1) -> dict:
     """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache (GPU batches
-    with a host-resident cache pass through one device staging cache, unless CPU attention reads them in place)."""
+    with a host-resident cache pass through one device staging cache, unless CPU attention reads them in place).
+    quant_of: which tensors are held quantized (quant.storage.quant_of). fetch_share: the replicas of a
+    partitioned fetch group; each keeps 1/fetch_share of every host and disk layer."""
     off, tp = config.offload, config.parallel.tp
     size = itemsize(config.model.dtype)
     layers = list(stage.layers)
-    per_layer = [_layer_bytes(arch, i, size, tp) for i in layers]
+    per_layer = [layer_bytes(arch, i, size, tp, quant_of) for i in layers]
     tiers = place_layers(len(layers), off.weights_gpu, off.weights_cpu)
     streamed = [b for b, t in zip(per_layer, tiers) if t != "device"]
     window = (off.prefetch_layers + 1) * max(streamed, default=0)
-    tables = _table_bytes(arch, stage, size, tp)
+    tables = table_bytes(arch, stage.is_first, stage.is_last, size, tp, quant_of)
+    kept = lambda tier: sum(-(-b // fetch_share) for b, t in zip(per_layer, tiers) if t == tier)
     batch = config.generate.batch_size
     max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
     per_seq = max_len * kv_bytes_per_token(arch.num_kv_heads // tp, arch.head_dim, len(layers))
@@ -58,18 +39,18 @@ def plan_bytes(arch, config, stage, prompt_lengths: list) -> dict:
         max(len(g) for g in gpu_batches[on_device:]) * per_seq
     return {
         "device": sum(b for b, t in zip(per_layer, tiers) if t == "device") + window + tables + kv_device + staging,
-        "host": sum(b for b, t in zip(per_layer, tiers) if t == "host") + kv_host,
-        "disk": sum(b for b, t in zip(per_layer, tiers) if t == "disk"),
+        "host": kept("host") + kv_host,
+        "disk": kept("disk"),
         "parts": {"resident layers": sum(b for b, t in zip(per_layer, tiers) if t == "device"),
                   "streaming window": window, "embedding tables": tables,
                   "KV cache on the device": kv_device + staging},
     }
 
 
-def check_budgets(arch, config, stages, prompt_lengths: list) -> None:
+def check_budgets(arch, config, stages, prompt_lengths: list, quant_of=None, fetch_share: int = 1) -> None:
     off = config.offload
     for stage in stages:
-        plan = plan_bytes(arch, config, stage, prompt_lengths)
+        plan = plan_bytes(arch, config, stage, prompt_lengths, quant_of, fetch_share)
         for tier, key in (("device", "device_memory"), ("host", "host_memory")):
             budget = parse_bytes(getattr(off, key))
             if budget and plan[tier] > budget:
@@ -80,8 +61,10 @@ def check_budgets(arch, config, stages, prompt_lengths: list) -> None:
                                   f"/ cache_gpu, or raise the budget")
 
 
-def predicted_vs_measured(arch, config, prompt_lengths: list, blocks: int, measured_s: float) -> dict | None:
-    """The cost model's time for this run's policy on `[offload] profile`, beside the measured time."""
+def predicted_vs_measured(arch, config, prompt_lengths: list, blocks: int, measured_s: float,
+                          quant_of=None) -> dict | None:
+    """The cost model's time for this run's policy on `[offload] profile`, beside the measured time (quant_of:
+    the tensors held quantized, whose quantized bytes are what moves)."""
     from .cost_model import CostModel
     from .policy import Policy
     from .profile import resolve_profile
@@ -96,7 +79,7 @@ def predicted_vs_measured(arch, config, prompt_lengths: list, blocks: int, measu
                     cpu_attention=off.cpu_attention, prefetch_layers=off.prefetch_layers, schedule=off.schedule)
     prompt_len = max(1, round(sum(prompt_lengths) / len(prompt_lengths)))
     model = CostModel(arch, prompt_len, config.generate.max_new_tokens, resolve_profile(off.profile),
-                      config.model.dtype)
+                      config.model.dtype, quant_of)
     predicted = model.predict(policy).total_s * blocks
     return {"profile": off.profile, "predicted_s": predicted, "measured_s": measured_s,
             "measured_over_predicted": measured_s / predicted if predicted > 0 else None}

@@ -37,7 +37,7 @@ Totals (FlexGen Section 4.3): time = L T_pre + L (n - 1) T_gen for the block; th
 finishes with the last step).
 
 Peak memory per tier (FlexGen A.3's "home" plus working-set terms; the prefill peak, which is the larger):
-    device  wg W L + (1 - wg) W (p + 1) + cg KV + hg A + (1 - hg) nb b s act
+    device  E + wg W L + (1 - wg) W (p + 1) + cg KV + hg A + (1 - hg) nb b s act
             + [no CPU attention] (1 - cg) nb b (s + n) kv + work(b)
     host    wc W L + wd W (p + 1) + cc KV + hc A + hd nb b s act + cd nb b (s + n) kv + [CPU attention] scores
     disk    wd W L + cd KV + hd A
@@ -46,15 +46,19 @@ Peak memory per tier (FlexGen A.3's "home" plus working-set terms; the prefill p
   p = prefetch_layers (streamed layers resident: current + prefetched), nb = 2 buffers of a GPU batch's streamed
   activations/cache (current and next) with prefetch, 1 without; work(b) = one GPU batch's transient tensors
   (qkv, scores or the MLP intermediate, the logits), FlexGen's qkv/att/mlp peak terms.
-Weights at layer granularity: W is the average layer with the embeddings and LM head spread over the layers.
+Weights at layer granularity: W is the average decoder layer; E, the embedding tables (token and position
+tables, final norm, LM head), stays on the device, as the runtime keeps it (offload/sizes.py counts both the
+same way as the budget check). Quantized weights (quant_of) count, and move, their quantized bytes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..model.arch import ModelArch, tensor_shapes
 from .policy import Policy
+from .sizes import layer_bytes, table_bytes
 from .profile import HardwareProfile
 
 VARIABLES = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -94,8 +98,9 @@ class ModelSizes:
     """What the cost model needs of an architecture, in bytes and FLOPs (per layer: the average layer)."""
 
     num_layers: int
-    layer_weight_bytes: float    # W: weights of the average layer, embeddings and LM head spread over the layers
-    total_weight_bytes: int
+    layer_weight_bytes: float    # W: weights of the average decoder layer (what streams)
+    total_weight_bytes: int      # every weight: the layers and the embedding tables
+    table_bytes: int             # token and position tables, final norm, LM head: always on the device
     kv_bytes: int                # K and V of one token in one layer
     act_bytes: int               # one token's hidden state
     query_bytes: int             # one token's query (= its attention output)
@@ -108,25 +113,24 @@ class ModelSizes:
     itemsize: int
 
     @classmethod
-    def of(cls, arch: ModelArch, dtype: str = "float32") -> "ModelSizes":
+    def of(cls, arch: ModelArch, dtype: str = "float32", quant_of=None) -> "ModelSizes":
+        """Bytes as the runtime holds them on one rank (offload/sizes.py, the budget check's rule too); quant_of:
+        which tensors are quantized (quant.storage.quant_of), so that the quantized bytes are what moves."""
         if dtype not in ITEMSIZE:
             raise ValueError(f"dtype must be one of {', '.join(ITEMSIZE)}, got {dtype!r}")
         isz = ITEMSIZE[dtype]
-        shapes = tensor_shapes(arch)
-        total = 0
         layer_flops = 0.0
-        for name, shape in shapes.items():
-            numel = 1
-            for s in shape:
-                numel *= s
-            total += numel
+        for name, shape in tensor_shapes(arch).items():
             if name.startswith("layers."):
+                numel = math.prod(shape)
                 if ".moe.experts." in name:             # a token visits top_k of the layer's experts
                     numel = numel * arch.moe_top_k / shape[0]
                 layer_flops += 2.0 * numel
         L = arch.num_layers
-        return cls(num_layers=L, layer_weight_bytes=total * isz / L, total_weight_bytes=total * isz,
-                   kv_bytes=2 * arch.kv_size * isz, act_bytes=arch.hidden_size * isz,
+        layers = sum(layer_bytes(arch, i, isz, 1, quant_of) for i in range(L))
+        tables = table_bytes(arch, True, True, isz, 1, quant_of)
+        return cls(num_layers=L, layer_weight_bytes=layers / L, total_weight_bytes=layers + tables,
+                   table_bytes=tables, kv_bytes=2 * arch.kv_size * isz, act_bytes=arch.hidden_size * isz,
                    query_bytes=arch.q_size * isz, query_width=arch.q_size, heads=arch.num_heads,
                    flops_per_token=layer_flops / L, head_flops=2.0 * arch.vocab_size * arch.hidden_size,
                    intermediate=arch.intermediate_size * (2 if arch.gated_mlp else 1), vocab=arch.vocab_size,
@@ -194,11 +198,11 @@ class CostModel:
     """FlexGen's cost model for one model, workload and machine."""
 
     def __init__(self, arch: ModelArch, prompt_len: int, gen_len: int, profile: HardwareProfile,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", quant_of=None):
         if prompt_len < 1 or gen_len < 1:
             raise ValueError(f"prompt_len and gen_len must be >= 1, got {prompt_len} and {gen_len}")
         self.arch, self.prompt_len, self.gen_len, self.profile = arch, prompt_len, gen_len, profile
-        self.sizes = ModelSizes.of(arch, dtype)
+        self.sizes = ModelSizes.of(arch, dtype, quant_of)
         self.dtype = dtype
 
     def terms(self, gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool = False,
@@ -253,7 +257,7 @@ class CostModel:
         z, s, n = self.sizes, self.prompt_len, self.gen_len
         L, W = z.num_layers, z.layer_weight_bytes
         B = b if schedule == "row" else b * k                       # row: one GPU batch's cache and activations
-        Wt, KV, A = z.total_weight_bytes, B * (s + n) * z.kv_bytes * L, B * s * z.act_bytes
+        Wt, KV, A = W * L, B * (s + n) * z.kv_bytes * L, B * s * z.act_bytes      # Wt: the decoder layers
         resident = prefetch_layers + 1                              # streamed layers on the device at once
         buffers = 2 if prefetch_layers >= 1 else 1                  # a GPU batch's streamed inputs: now, next
         batch_act = buffers * b * s * z.act_bytes
@@ -263,7 +267,7 @@ class CostModel:
         work = qkv + widest + b * z.vocab * 4                       # + float32 logits of the GPU batch
         scores = b * z.heads * (s + n) * 4 if cpu_attention else 0  # host attention scratch (float32)
         lin = Linear.of
-        device = lin(W * resident + batch_act + work + (0 if cpu_attention else batch_cache),
+        device = lin(z.table_bytes + W * resident + batch_act + work + (0 if cpu_attention else batch_cache),
                      wg=Wt - W * resident, cg=KV - (0 if cpu_attention else batch_cache), hg=A - batch_act)
         host = lin(scores, wc=Wt, wd=W * resident, cc=KV, cd=batch_cache, hc=A, hd=batch_act)
         disk = lin(wd=Wt, cd=KV, hd=A)

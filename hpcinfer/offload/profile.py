@@ -26,6 +26,9 @@ from .policy import human_bytes
 MEMORY_FIELDS = ("device_memory", "host_memory", "disk_memory")
 RATE_FIELDS = ("host_to_device", "device_to_host", "disk_to_host", "host_to_disk",
                "device_flops", "host_flops", "device_bandwidth", "host_bandwidth")
+# The cluster, for the layout planner (`hpcinfer plan --gpus`, docs/planner.md); optional, with defaults.
+LINK_FIELDS = ("gpus_per_node", "intra_node_latency", "intra_node_bandwidth", "inter_node_latency",
+               "inter_node_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,22 @@ class HardwareProfile:
     host_bandwidth: float        # bytes/s the host reads its memory at: decode attention on the host
     name: str = "custom"         # preset name, or where it was measured
     notes: str = ""              # caveats of the measurement (e.g. a disk read served by the page cache)
+    # The cluster (LINK_FIELDS; the offload planner ignores them): ranks per node and the two link classes.
+    gpus_per_node: int = 1                 # ranks (GPUs) of one node
+    intra_node_latency: float = 2e-6       # s, one message between two ranks of a node
+    intra_node_bandwidth: float = 10e9     # B/s one rank sends to a rank of its own node
+    inter_node_latency: float = 5e-6       # s, one message to a rank of another node
+    inter_node_bandwidth: float = 1e9      # B/s one rank sends to other nodes (its share of the node's network)
 
     def __post_init__(self):
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be an integer >= 1, got {self.gpus_per_node!r}")
+        for key in LINK_FIELDS[1:]:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or \
+                    (key.endswith("bandwidth") and not value > 0):
+                raise ValueError(f"{key} must be a number {'> 0' if key.endswith('bandwidth') else '>= 0'}, "
+                                 f"got {value!r}")
         for key in MEMORY_FIELDS:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -73,6 +90,11 @@ class HardwareProfile:
             value = float(getattr(self, key))
             unit = "FLOP/s" if key.endswith("flops") else "B/s"
             lines.append(f"{key} = {value:.6g}  # {_human_rate(value)}{unit}")
+        lines.append(f"gpus_per_node = {self.gpus_per_node}")
+        for key in LINK_FIELDS[1:]:
+            value = float(getattr(self, key))
+            lines.append(f"{key} = {value:.6g}  # " + (f"{value * 1e6:.3g} us" if key.endswith("latency")
+                                                       else f"{_human_rate(value)}B/s"))
         return "\n".join(lines) + "\n"
 
     def summary(self) -> str:
@@ -119,6 +141,23 @@ PRESETS: dict[str, HardwareProfile] = {
         name="h100-80gb", device_memory=80 * 10**9, host_memory=512 * 10**9, disk_memory=4000 * 10**9,
         host_to_device=50e9, device_to_host=50e9, disk_to_host=6e9, host_to_disk=4e9,
         device_flops=600e12, host_flops=3.0e12, device_bandwidth=2.8e12, host_bandwidth=200e9),
+    # Cluster nodes for the layout planner (docs/planner.md cites the data sheets). DGX A100 (40 GB): 8 A100-SXM4
+    # over NVSwitch (NVLink 3: 300 GB/s per direction per GPU), 8 HDR InfiniBand ports (200 Gb/s = 25 GB/s per
+    # GPU), 1 TB DRAM, PCIe 4.0 host links, 15 TB NVMe. Sustained rates below peak, as above.
+    "dgx-a100-40gb": HardwareProfile(
+        name="dgx-a100-40gb", device_memory=40 * 10**9, host_memory=1000 * 10**9, disk_memory=15000 * 10**9,
+        host_to_device=25e9, device_to_host=25e9, disk_to_host=10e9, host_to_disk=5e9,
+        device_flops=200e12, host_flops=2.0e12, device_bandwidth=1.3e12, host_bandwidth=150e9,
+        gpus_per_node=8, intra_node_latency=5e-6, intra_node_bandwidth=240e9, inter_node_latency=10e-6,
+        inter_node_bandwidth=22e9),
+    # DGX H100: 8 H100-SXM5 80 GB over NVSwitch (NVLink 4: 450 GB/s per direction per GPU), 8 NDR InfiniBand
+    # ports (400 Gb/s = 50 GB/s per GPU), 2 TB DRAM, PCIe 5.0, 30 TB NVMe.
+    "dgx-h100-80gb": HardwareProfile(
+        name="dgx-h100-80gb", device_memory=80 * 10**9, host_memory=2000 * 10**9, disk_memory=30000 * 10**9,
+        host_to_device=50e9, device_to_host=50e9, disk_to_host=20e9, host_to_disk=10e9,
+        device_flops=600e12, host_flops=3.0e12, device_bandwidth=2.8e12, host_bandwidth=250e9,
+        gpus_per_node=8, intra_node_latency=4e-6, intra_node_bandwidth=360e9, inter_node_latency=8e-6,
+        inter_node_bandwidth=45e9),
 }
 
 
@@ -151,6 +190,14 @@ def load_profile(path: str) -> HardwareProfile:
     for key in ("name", "notes"):
         if key in raw:
             kwargs[key] = str(raw[key])
+    for key in LINK_FIELDS:
+        if key in raw:
+            value = raw[key]
+            if key == "gpus_per_node" and not (isinstance(value, int) and not isinstance(value, bool)):
+                raise ConfigError(f"{path}: gpus_per_node = {value!r} is not an integer")
+            if key != "gpus_per_node" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{path}: {key} = {value!r} is not a number")
+            kwargs[key] = value if key == "gpus_per_node" else float(value)
     try:
         return HardwareProfile(**kwargs)
     except ValueError as exc:

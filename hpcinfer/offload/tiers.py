@@ -2,8 +2,16 @@
 streamed to the device just before use (ZeRO-Inference), prefetched `prefetch_layers` ahead on background threads.
 
 On the NumPy backend the device is the compute arrays, the host a separate store of copies, and the disk one .npy
-file per tensor under `[offload] disk_dir` (read back through a memory map, never whole-file into a second copy).
-Device bytes are accounted: resident layers + layers fetched at the moment; the peak is reported.
+file per array under `[offload] disk_dir` (read back through a memory map, never whole-file into a second copy).
+A weight slot holds a float array, a list of arrays (an expert stack) or a QuantizedTensor (its q, scale and min
+move; the bytes moved are the quantized bytes). Device bytes are accounted: resident layers + layers fetched at
+the moment; the peak is reported.
+
+Partitioned fetch (ZeRO-Inference with several ranks per node, `[offload] partitioned_fetch`): the replicas of a
+fetch group (same stage and tp rank, one node) each keep 1/N of every streamed layer's bytes in their own host
+store or file, and a fetch is a collective round: every rank reads its part and an all-gather assembles the layer
+on all of them (partition.py). Rounds go in the cyclic layer order on one thread, so every member makes the same
+rounds; a rank whose work ends keeps joining rounds in `close()` until every member has ended.
 """
 
 from __future__ import annotations
@@ -15,20 +23,22 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..errors import ConfigError
+from ..quant.formats import QuantizedTensor
+from .partition import LayerImage
 
 TIERS = ("device", "host", "disk")
 
 
 def layer_tensors(obj, found=None, seen=None) -> list:
-    """Every (holder, key) whose value is a weight array, below a block: attributes holding arrays, and lists of
-    arrays (expert stacks). Walks the model's and the parallel layers' objects only."""
+    """Every (holder, key) whose value is a weight below a block: attributes holding arrays, lists of arrays
+    (expert stacks) and QuantizedTensors. Walks the model's and the parallel layers' objects only."""
     found = [] if found is None else found
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return found
     seen.add(id(obj))
     for key, value in vars(obj).items():
-        if isinstance(value, np.ndarray) and key not in ("cos", "sin"):
+        if isinstance(value, (np.ndarray, QuantizedTensor)) and key not in ("cos", "sin"):
             found.append((obj, key))
         elif isinstance(value, list) and value and all(isinstance(v, np.ndarray) for v in value):
             found.append((obj, key))
@@ -43,8 +53,36 @@ def _is_weight_holder(value) -> bool:
         type(value).__name__ not in ("Dispatcher",)
 
 
+def parts_of(value) -> list:
+    """The arrays a weight slot's value is made of, in a fixed order (kind_of says how to put them back)."""
+    if isinstance(value, QuantizedTensor):
+        return [value.q, value.scale] + ([] if value.min is None else [value.min])
+    return list(value) if isinstance(value, list) else [value]
+
+
+def kind_of(value) -> tuple:
+    if isinstance(value, QuantizedTensor):
+        return ("quant", value.mode, value.group_size, value.min is not None)
+    return ("list", len(value)) if isinstance(value, list) else ("array",)
+
+
+def assemble(kind: tuple, arrays: list):
+    """parts_of's inverse: the slot's value from its arrays."""
+    if kind[0] == "quant":
+        _, mode, group_size, has_min = kind
+        return QuantizedTensor(mode, arrays[0], arrays[1], arrays[2] if has_min else None, group_size)
+    return list(arrays) if kind[0] == "list" else arrays[0]
+
+
+def part_count(kind: tuple) -> int:
+    """How many arrays a slot of this kind is made of."""
+    if kind[0] == "quant":
+        return 3 if kind[3] else 2
+    return kind[1] if kind[0] == "list" else 1
+
+
 def _nbytes(value) -> int:
-    return sum(int(a.nbytes) for a in value) if isinstance(value, list) else int(value.nbytes)
+    return sum(int(a.nbytes) for a in parts_of(value))
 
 
 def place_layers(num_layers: int, weights_gpu: float, weights_cpu: float) -> list[str]:
@@ -56,31 +94,52 @@ def place_layers(num_layers: int, weights_gpu: float, weights_cpu: float) -> lis
 
 
 class WeightTiers:
-    """The weights of a model's blocks across tiers, with `fetch(i)` / `release(i)` around each use."""
+    """The weights of a model's blocks across tiers, with `fetch(i)` / `release(i)` around each use.
 
-    def __init__(self, ops, blocks: list, tiers: list[str], disk_dir: str | None, prefetch_layers: int = 0):
+    fetch_group: a CommGroup of the replicas that share each fetch (partitioned fetch), or None. threads_ok: the
+    fetch group may be used from a prefetch thread (MPI_THREAD_MULTIPLE); if not, rounds run on the main thread
+    and nothing is prefetched."""
+
+    def __init__(self, ops, blocks: list, tiers: list[str], disk_dir: str | None, prefetch_layers: int = 0,
+                 fetch_group=None, threads_ok: bool = True):
+        self.group = fetch_group if fetch_group is not None and fetch_group.size > 1 else None
+        if self.group is not None and not threads_ok:
+            prefetch_layers = 0
         self.ops, self.blocks, self.tiers, self.prefetch_layers = ops, blocks, tiers, prefetch_layers
-        self.tensors: list = [[] for _ in blocks]
+        self.tensors: list = [[] for _ in blocks]         # layer -> [(holder, key)]
+        self.kinds: list = [[] for _ in blocks]           # layer -> [kind_of each slot]
         self.layer_bytes = [0] * len(blocks)
-        self.host: dict = {}                              # (layer, n) -> host array(s)
-        self.disk: dict = {}                              # (layer, n) -> file path(s)
+        self.host: dict = {}                              # (layer, n) -> [host arrays]  (slot n's parts)
+        self.disk: dict = {}                              # (layer, n) -> [file paths]
+        self.images: dict = {}                            # layer -> LayerImage (partitioned fetch)
         self.disk_dir = disk_dir
         self.resident: set = set()
         self.pending: dict = {}                           # layer -> Future of its fetch
-        self.pool = ThreadPoolExecutor(max(1, prefetch_layers)) if prefetch_layers else None
+        workers = 1 if self.group is not None else max(1, prefetch_layers)      # rounds keep one order
+        self.pool = ThreadPoolExecutor(workers) if prefetch_layers else None
         self.lock = threading.Lock()
         self.device_bytes = self.peak_bytes = 0
         self.bytes_from_host = self.bytes_from_disk = 0
+        self.streamed = [i for i, t in enumerate(tiers) if t != "device"]
+        self.cursor = 0                                   # partitioned: index in `streamed` of the next round
+        self.closed = False
 
     def place(self, i: int) -> None:
         """Called once block i has loaded its weights: keep them (device tier) or move them to host or disk, so
         that loading never holds more than one streamed layer at a time."""
         self.tensors[i] = layer_tensors(self.blocks[i])
-        self.layer_bytes[i] = sum(_nbytes(getattr(h, k)) for h, k in self.tensors[i])
+        values = [getattr(h, k) for h, k in self.tensors[i]]
+        self.kinds[i] = [kind_of(v) for v in values]
+        self.layer_bytes[i] = sum(_nbytes(v) for v in values)
         if self.tiers[i] == "device":
             self.resident.add(i)
             self.device_bytes += self.layer_bytes[i]
             self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+        elif self.group is not None:
+            arrays = [self.ops.to_host(a) for v in values for a in parts_of(v)]
+            path = self._path(i, "part", self.group.rank) if self.tiers[i] == "disk" else None
+            self.images[i] = LayerImage.build(arrays, self.group, self.tiers[i], path)
+            self._drop(i)
         else:
             self._offload(i, self.tiers[i])
 
@@ -88,68 +147,100 @@ class WeightTiers:
     def _offload(self, i: int, tier: str) -> None:
         """Move layer i's arrays out of the block into its tier (the block's attributes become None)."""
         for n, (holder, key) in enumerate(self.tensors[i]):
-            value = getattr(holder, key)
+            parts = parts_of(getattr(holder, key))
             if tier == "host":
-                self.host[i, n] = [np.array(self.ops.to_host(v)) for v in value] if isinstance(value, list) \
-                    else np.array(self.ops.to_host(value))
+                self.host[i, n] = [np.array(self.ops.to_host(a)) for a in parts]
             else:
-                self.disk[i, n] = self._write(i, n, value)
+                self.disk[i, n] = [self._write(self._path(i, f"t{n:03d}", j), a) for j, a in enumerate(parts)]
+        self._drop(i)
+
+    def _drop(self, i: int) -> None:
+        for holder, key in self.tensors[i]:
             setattr(holder, key, None)
 
-    def _write(self, i: int, n: int, value):
+    def _path(self, i: int, what: str, j: int) -> str:
         if self.disk_dir is None:
             raise ConfigError("[offload] weights on disk need [offload] disk_dir")
-        os.makedirs(self.disk_dir, exist_ok=True)
-        values = value if isinstance(value, list) else [value]
-        paths = []
-        for j, v in enumerate(values):
-            path = os.path.join(self.disk_dir, f"layer{i:04d}-t{n:03d}-{j:04d}.npy")
-            np.save(path, self.ops.to_host(v))
-            paths.append(path)
-        return paths if isinstance(value, list) else paths[0]
+        return os.path.join(self.disk_dir, f"layer{i:04d}-{what}-{j:04d}.npy")
+
+    def _write(self, path: str, array) -> str:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.save(path, self.ops.to_host(array))
+        return path
 
     # ---- streaming -----------------------------------------------------------------------------------------
     def fetch(self, i: int) -> None:
         """Make layer i's weights usable now (waiting for its prefetch if one is in flight), and start fetching
-        the next `prefetch_layers` layers."""
+        the next `prefetch_layers` streamed layers, wrapping from the last layer of a token step to the first of
+        the next (every schedule fetches the layers in this cyclic order; after the last step of a run, the
+        wrapped prefetches are dropped by `close`)."""
         if i not in self.resident:
             future = self.pending.pop(i, None)
-            arrays = future.result() if future is not None else self._read(i)
-            self._install(i, arrays)
-        for j in range(i + 1, min(i + 1 + self.prefetch_layers, len(self.blocks))):
-            if j not in self.resident and j not in self.pending and self.pool is not None:
-                self.pending[j] = self.pool.submit(self._read, j)
+            if future is None and self.group is not None and self.pool is not None:
+                future = self._start(i)                   # rounds go through the one thread, in order
+            self._install(i, future.result() if future is not None else self._read(i))
+        if self.pool is None:
+            return
+        for j in self._ahead(i):
+            if j not in self.resident and j not in self.pending:
+                self.pending[j] = self._start(j)
+
+    def _ahead(self, i: int) -> list[int]:
+        """The `prefetch_layers` streamed layers that follow layer i in the cyclic fetch order."""
+        after = [j for j in self.streamed if j > i] + [j for j in self.streamed if j < i]
+        return after[:self.prefetch_layers]
+
+    def _start(self, i: int):
+        return self.pool.submit(self._read, i)
 
     def release(self, i: int) -> None:
         """Drop layer i's streamed weights from the device (resident layers stay)."""
         if self.tiers[i] == "device" or i not in self.resident:
             return
-        for holder, key in self.tensors[i]:
-            setattr(holder, key, None)
+        self._drop(i)
         self.resident.discard(i)
         with self.lock:
             self.device_bytes -= self.layer_bytes[i]
 
     def _read(self, i: int) -> list:
-        """Layer i's arrays, read from its tier into new device arrays (runs on a prefetch thread too)."""
+        """Layer i's slot values, read from its tier into new device arrays (runs on a prefetch thread too)."""
         with self.lock:                                    # the bytes are on the device from now on
             self.device_bytes += self.layer_bytes[i]
             self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+        if self.group is not None:
+            return self._round(i, working=True)[1]
         out = []
-        for n in range(len(self.tensors[i])):
+        for n, kind in enumerate(self.kinds[i]):
             if self.tiers[i] == "host":
-                src = self.host[i, n]
-                out.append([self.ops.asarray(np.array(v)) for v in src] if isinstance(src, list)
-                           else self.ops.asarray(np.array(src)))
-                with self.lock:
-                    self.bytes_from_host += _nbytes(src)
+                arrays = [self.ops.asarray(np.array(a)) for a in self.host[i, n]]
             else:
-                src = self.disk[i, n]
-                read = lambda p: self.ops.asarray(np.array(np.load(p, mmap_mode="r")))
-                out.append([read(p) for p in src] if isinstance(src, list) else read(src))
-                with self.lock:
-                    self.bytes_from_disk += _nbytes(out[-1])
+                arrays = [self.ops.asarray(np.array(np.load(p, mmap_mode="r"))) for p in self.disk[i, n]]
+            out.append(assemble(kind, arrays))
+            self._count(i, sum(int(a.nbytes) for a in arrays))
         return out
+
+    def _count(self, i: int, nbytes: int) -> None:
+        with self.lock:
+            if self.tiers[i] == "host":
+                self.bytes_from_host += nbytes
+            else:
+                self.bytes_from_disk += nbytes
+
+    def _round(self, i: int, working: bool) -> tuple[bool, list]:
+        """One collective fetch round of layer i: (whether any member is still working, the slot values)."""
+        expected = self.streamed[self.cursor]
+        assert i == expected, f"partitioned fetch out of order: layer {i}, the round is for layer {expected}"
+        self.cursor = (self.cursor + 1) % len(self.streamed)
+        image = self.images[i]
+        mine = image.read_mine()                           # this rank's 1/N of the layer, from host or disk
+        self._count(i, image.part)
+        anyone, arrays = image.gather(mine, working)       # comm: the all-gather assembles the layer
+        arrays = [self.ops.asarray(a) for a in arrays]
+        out, at = [], 0
+        for kind in self.kinds[i]:
+            out.append(assemble(kind, arrays[at:at + part_count(kind)]))
+            at += part_count(kind)
+        return anyone, out
 
     def _install(self, i: int, arrays: list) -> None:
         for (holder, key), value in zip(self.tensors[i], arrays):
@@ -157,5 +248,21 @@ class WeightTiers:
         self.resident.add(i)
 
     def close(self) -> None:
+        """End streaming: drop prefetches still in flight; with a fetch group, join rounds until every member has
+        ended (a member still generating needs this rank's part of each layer)."""
+        if self.closed:
+            return
+        self.closed = True
+        for i, future in list(self.pending.items()):
+            future.result()
+            with self.lock:
+                self.device_bytes -= self.layer_bytes[i]
+        self.pending.clear()
+        while self.group is not None and self.streamed:
+            i = self.streamed[self.cursor]
+            anyone, _ = (self.pool.submit(self._round, i, False).result() if self.pool is not None else
+                         self._round(i, False))
+            if not anyone:
+                break
         if self.pool is not None:
             self.pool.shutdown(wait=True)

@@ -17,7 +17,8 @@ import re
 import numpy as np
 
 from ..errors import CheckpointError, ConfigError
-from .formats import DEFAULT_GROUP, LOAD_MODES, QuantError, QuantizedTensor, quantize, slice_cols, slice_rows
+from .formats import (DEFAULT_GROUP, LOAD_MODES, QuantError, QuantizedTensor, group_for, quantize, slice_cols,
+                      slice_rows)
 
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")            # root attribute `quantization`
 _LAYER = re.compile(r"^layers\.\d+\.(attn\.[qkvo]|mlp\.(gate|up|down))\.weight$")
@@ -74,6 +75,31 @@ def read_quantized(file, name: str, rows: slice | None = None, cols: slice | Non
     return QuantizedTensor(mode, load(part.q), load(part.scale).astype(np.float32, copy=False),
                            None if part.min is None else load(part.min).astype(np.float32, copy=False),
                            part.group_size)
+
+
+def quantized_nbytes(mode: str, rows: int, cols: int, group_size: int = DEFAULT_GROUP) -> int:
+    """Bytes of a QuantizedTensor [rows, cols] of `mode` (q, scale and min), without making one."""
+    group = group_for(mode, cols, group_size)
+    groups = rows * (cols // group)
+    q = rows * cols // 2 if mode in ("int4", "q4_1") else rows * cols
+    return q + groups * 4 * (1 if mode in ("int8", "q8_0") else 2)               # float32 scale (and min)
+
+
+def quant_of(ckpt):
+    """tensor name -> (mode, group_size) for each tensor this checkpoint's model holds quantized (stored so, or
+    quantized while it loads by `[model] quantize`), else None. Read now: it stays valid once the file is closed."""
+    from ..model.arch import tensor_shapes
+
+    file = getattr(ckpt, "file", None)
+    wanted = getattr(ckpt, "load_quant", None)
+    modes = {}
+    for name in tensor_shapes(ckpt.arch):
+        if file is not None and is_stored_quantized(file, name):
+            attrs = file[f"{name}.q"].attrs
+            modes[name] = (str(attrs["mode"]), int(attrs["group_size"]))
+        elif wanted is not None and is_quantizable(name):
+            modes[name] = tuple(wanted)
+    return modes.get
 
 
 def configure(ckpt, mode: str, group_size: int = DEFAULT_GROUP) -> None:

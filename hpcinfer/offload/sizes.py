@@ -1,0 +1,65 @@
+"""Bytes of a model's weights as one rank holds them: the one rule that the budget check (budget.py) and the
+planner's cost model (cost_model.py) both count with, so that they agree with each other and with the runtime.
+
+What the runtime holds (parallel/layers.py, model/*.py): matrices of the layers at the model dtype, split over
+tp (column-parallel by output rows, row-parallel by input rows), or as QuantizedTensors (q, scale, min) when
+quantized; the token table and the LM head split by vocabulary rows, ceil(V / tp) each (the last zero-padded);
+vectors (norms, biases), routers, MoE mixing coefficients and the learned position table whole, in float32;
+expert stacks at the dtype, split over tp as the existing plan counts them.
+The embedding tables (token table, position table, final norm, LM head: one copy when tied) stay on the device,
+outside the layers: neither the runtime nor the planner streams them.
+
+quant_of: tensor name -> (mode, group_size) when that tensor is held quantized, else None (quant.storage).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..model.arch import tensor_shapes
+from ..quant.storage import is_row_parallel, quantized_nbytes
+
+FLOAT32 = 4
+TABLES = ("embed.tokens", "lm_head.weight")
+_WHOLE_FLOAT32 = ("embed.positions", ".router.", ".moe.coef.")
+
+
+def tensor_bytes(arch, name: str, shape: tuple, itemsize: int, tp: int = 1, quant_of=None) -> int:
+    """Bytes one rank holds of tensor `name` (stored shape `shape`)."""
+    numel = math.prod(shape)
+    if len(shape) == 1 or any(part in name for part in _WHOLE_FLOAT32):
+        return numel * FLOAT32
+    if len(shape) > 2:                                            # an expert stack
+        return numel * itemsize // tp
+    if name in TABLES:
+        rows, cols = -(-arch.vocab_size // tp), shape[1]
+    elif is_row_parallel(name):
+        rows, cols = shape[1], shape[0] // tp                     # stored [in, out]; held [out, in_local]
+    else:
+        rows, cols = shape[0] // tp, shape[1]
+    quant = quant_of(name) if quant_of is not None else None
+    return rows * cols * itemsize if quant is None else quantized_nbytes(quant[0], rows, cols, quant[1])
+
+
+def layer_bytes(arch, layer: int, itemsize: int, tp: int = 1, quant_of=None) -> int:
+    """Bytes one rank holds of decoder layer `layer`."""
+    prefix = f"layers.{layer}."
+    return sum(tensor_bytes(arch, name, shape, itemsize, tp, quant_of)
+               for name, shape in tensor_shapes(arch).items() if name.startswith(prefix))
+
+
+def table_bytes(arch, first: bool, last: bool, itemsize: int, tp: int = 1, quant_of=None) -> int:
+    """The embedding tables of a stage: token and position tables on the first, final norm and LM head on the
+    last (a tied head is the first stage's token table; a later last stage reads its own copy)."""
+    shapes = tensor_shapes(arch)
+    size = lambda name, shape=None: tensor_bytes(arch, name, shape or shapes[name], itemsize, tp, quant_of)
+    total = 0
+    if first:
+        total += size("embed.tokens") + (size("embed.positions") if "embed.positions" in shapes else 0)
+    if last:
+        total += sum(size(name) for name in shapes if name.startswith("final_norm."))
+        if not arch.tied_embeddings:
+            total += size("lm_head.weight")
+        elif not first:
+            total += tensor_bytes(arch, "embed.tokens", shapes["embed.tokens"], itemsize, tp, quant_of)
+    return total
