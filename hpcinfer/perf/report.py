@@ -1,0 +1,108 @@
+"""`hpcinfer plan --gpus N`: resolve the arguments, search, and print the result as one TOML document.
+
+With one GPU and no layout that fits, the plan is FlexGen's offload policy for that GPU (offload/lp.py) instead.
+
+Everything but the best layout's sections is a comment, so the whole output parses as TOML (`tomllib.loads`)
+and can be pasted into a job config.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..offload.policy import human_bytes
+from .planner import OBJECTIVES, PlanResult, plan
+from .step import ITEMSIZE, Workload
+
+DEFAULT_HARDWARE = "dgx-a100-40gb"
+
+
+def _check_args(args) -> None:
+    for name in ("gpus", "batch", "prompt_len", "gen_len"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.latency_budget is not None and not args.latency_budget > 0:
+        raise ConfigError(f"--latency-budget must be > 0 milliseconds, got {args.latency_budget:g}")
+    if args.objective not in OBJECTIVES:
+        raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {args.objective!r}")
+
+
+def resolve_hardware(args, gpu_memory: int | None):
+    """The HardwareProfile named by --hardware (or --profile), with the memory per GPU replaced when given."""
+    from ..offload.profile import resolve_profile
+
+    hw = resolve_profile(args.hardware or args.profile or DEFAULT_HARDWARE).with_budgets(device_memory=gpu_memory)
+    if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
+        raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {hw.gpus_per_node} GPUs "
+                          f"({hw.name}: gpus_per_node = {hw.gpus_per_node})")
+    return hw
+
+
+def plan_layouts(args, arch, dtype: str, gpu_memory: int | None) -> int:
+    """Search and print (the argparse namespace of `hpcinfer plan`; arch and dtype resolved from --model)."""
+    _check_args(args)
+    hw = resolve_hardware(args, gpu_memory)
+    work = Workload(args.batch, args.prompt_len, args.gen_len, dtype)
+    budget = None if args.latency_budget is None else args.latency_budget / 1e3
+    result = plan(arch, args.gpus, work, hw, args.objective, budget)
+    header = [f"# hpcinfer plan: {args.model} ({arch.param_count() / 1e9:.3g}B parameters, {dtype}: "
+              f"{human_bytes(arch.param_count() * ITEMSIZE[dtype])}) on {args.gpus} GPUs of {hw.name} "
+              f"({human_bytes(hw.device_memory)} each, {hw.gpus_per_node} a node)",
+              f"# workload: batch {work.batch} (over the dp replicas), prompt {work.prompt_len}, generate "
+              f"{work.gen_len}; objective {args.objective}"
+              + (f", per-token latency <= {args.latency_budget:g} ms" if budget else ""),
+              f"# layouts: {result.considered} valid, {result.too_big} over the memory, {result.too_slow} over the "
+              f"latency budget, {len(result.ranked)} kept"]
+    if not result.ranked:
+        print("\n".join(header))
+        if args.gpus == 1 and result.considered and result.too_big == result.considered:
+            return _offload_fallback(args, arch, work, hw)
+        raise ConfigError(_nothing_fits(args, result, hw))
+    print("\n".join(header + [""] + table(result, bool(arch.moe_experts), args.top) + [""]
+                    + best_toml(result, arch, work)))
+    return 0
+
+
+def _offload_fallback(args, arch, work: Workload, hw) -> int:
+    """One GPU and nothing fits: FlexGen's offload policy search (offload/lp.py) on the same machine."""
+    from ..offload.lp import search_policy
+
+    policy, pred, _ = search_policy(arch, work.prompt_len, work.gen_len, hw, dtype=work.dtype)
+    print(f"# nothing fits in {human_bytes(hw.device_memory)}: offloading (FlexGen's policy search, "
+          f"docs/offload-planning.md) predicts {pred.throughput:.4g} tokens/s, a block of {policy.block_size} "
+          f"sequences in {pred.latency_s:.4g} s; bottleneck {pred.bottleneck}")
+    print(policy.to_toml_section(hw.device_memory, hw.host_memory).rstrip("\n"))
+    return 0
+
+
+def _nothing_fits(args, result: PlanResult, hw) -> str:
+    if result.considered == 0:
+        return f"no valid layout of {args.gpus} GPUs for {args.model} (see docs/planner.md for what is searched)"
+    if result.too_big == result.considered:
+        return (f"no layout of {args.gpus} GPUs fits {args.model} in {human_bytes(hw.device_memory)} a GPU: the "
+                f"leanest needs {human_bytes(result.smallest_memory)}; add GPUs, lower --batch, or plan offloading "
+                f"with `hpcinfer plan --model {args.model} --profile ...` (without --gpus)")
+    return (f"no fitting layout meets --latency-budget {args.latency_budget:g} ms: the fastest takes "
+            f"{result.fastest_s * 1e3:.3g} ms a token")
+
+
+def table(result: PlanResult, moe: bool, top: int) -> list[str]:
+    rows = [f"# the {min(top, len(result.ranked))} best (token = time between two tokens of a sequence; "
+            f"prompt = the batch's prompt phase; tokens/s over prompt + generation):",
+            f"# {'rank':>4}  {'layout':<44} {'token ms':>9} {'prompt ms':>10} {'tokens/s':>10} {'bubble':>6} "
+            f"{'mem/GPU':>10}"]
+    for i, p in enumerate(result.ranked[:max(top, 0)], 1):
+        rows.append(f"# {i:>4}  {p.layout.label(moe):<44} {p.token_s * 1e3:>9.3g} {p.prompt_s * 1e3:>10.4g} "
+                    f"{p.throughput:>10.4g} {p.bubble:>6.2f} {human_bytes(p.memory):>10}")
+    return rows
+
+
+def best_toml(result: PlanResult, arch, work: Workload) -> list[str]:
+    p = result.ranked[0]
+    b = work.per_replica(p.layout.dp)
+    comm_share = p.stage_comm_s / (p.stage_comm_s + p.stage_compute_s) if p.stage_comm_s else 0.0
+    return [f"# best: {p.layout.label(bool(arch.moe_experts))}: token {p.token_s * 1e3:.3g} ms "
+            f"({comm_share:.0%} communication), prompt {p.prompt_s * 1e3:.4g} ms, "
+            f"{p.throughput:.4g} tokens/s, {human_bytes(p.memory)} a GPU",
+            p.layout.to_toml(bool(arch.moe_experts), b).rstrip("\n")]
+

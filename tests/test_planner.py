@@ -1,0 +1,136 @@
+"""The layout planner (`hpcinfer plan --gpus N`): only valid, fitting layouts, ranked, printed as TOML."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from hpcinfer.checkpoint.presets import PRESETS
+from hpcinfer.cli import main
+from hpcinfer.comm.mesh import MeshShape
+from hpcinfer.config import _build
+from hpcinfer.model.arch import ModelArch
+from hpcinfer.offload.profile import PRESETS as HARDWARE
+from hpcinfer.parallel.layout import check_experts, check_tensor_parallel
+from hpcinfer.perf.memory import rank_memory
+from hpcinfer.perf.planner import plan
+from hpcinfer.perf.step import Workload
+
+
+@st.composite
+def models(draw):
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
+    kv = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16) if heads % d == 0]))
+    head_dim = draw(st.sampled_from([8, 16, 64]))
+    layers = draw(st.integers(1, 12))
+    moe = draw(st.booleans())
+    experts = tuple(draw(st.sampled_from([4, 6, 8, 16])) if moe and (i % 2 or layers == 1) else 0
+                    for i in range(layers))
+    return ModelArch(family="random", vocab_size=draw(st.sampled_from([256, 1000, 50257])),
+                     hidden_size=heads * head_dim, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                     head_dim=head_dim, intermediate_size=draw(st.sampled_from([96, 128, 384, 1000])),
+                     max_positions=4096, moe_experts=experts if moe else (), moe_top_k=draw(st.sampled_from([1, 2])),
+                     moe_intermediate_size=draw(st.sampled_from([0, 48, 64])))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arch=models(), gpus=st.sampled_from([1, 2, 3, 4, 6, 8, 16, 32]), per_node=st.sampled_from([1, 2, 4, 8]),
+       memory=st.sampled_from([10**6, 10**7, 10**8, 10**10]), batch=st.integers(1, 40),
+       objective=st.sampled_from(["latency", "throughput"]))
+def test_planner_proposes_only_valid_fitting_layouts(arch, gpus, per_node, memory, batch, objective):
+    if gpus > per_node and gpus % per_node:
+        return                                                           # the CLI refuses partial nodes
+    hw = dataclasses.replace(HARDWARE["dgx-a100-40gb"], gpus_per_node=per_node, device_memory=memory)
+    work = Workload(batch, 16, 4, "float16")
+    result = plan(arch, gpus, work, hw, objective)
+    assert result.considered == len(result.ranked) + result.too_big
+    for p in result.ranked:
+        lay = p.layout
+        assert lay.world == gpus
+        shape = MeshShape.for_world(gpus, lay.tp, lay.pp)                   # the runtime's checks, again
+        shape.check_nodes(min(per_node, gpus))
+        check_tensor_parallel(arch, lay.tp, "t")
+        check_experts(arch, lay.tp, lay.pp, lay.ep, lay.expert_tp, gpus, "t")
+        assert lay.pp <= arch.num_layers
+        per_replica = -(-batch // lay.dp)
+        assert 1 <= lay.prompt_micro_batches <= per_replica and 1 <= lay.gen_micro_batches <= per_replica
+        assert p.memory == rank_memory(arch, lay, work) <= memory
+        assert p.token_s > 0 and p.prompt_s > 0 and p.throughput > 0
+    keys = [p.token_s for p in result.ranked] if objective == "latency" else [-p.throughput for p in result.ranked]
+    assert keys == sorted(keys)
+
+
+def test_latency_budget_drops_slow_layouts():
+    arch, hw, work = PRESETS["gpt-13b"], HARDWARE["dgx-a100-40gb"], Workload(16, 128, 8)
+    everything = plan(arch, 8, work, hw, "throughput")
+    middle = sorted(p.token_s for p in everything.ranked)[len(everything.ranked) // 2]
+    kept = plan(arch, 8, work, hw, "throughput", latency_budget_s=middle)
+    assert kept.ranked and all(p.token_s <= middle for p in kept.ranked)
+    assert len(kept.ranked) + kept.too_slow == len(everything.ranked)
+
+
+def _sections(text: str) -> dict:
+    return tomllib.loads(text)
+
+
+def test_cli_prints_the_best_layout_as_toml(capsys, tmp_path):
+    assert main(["plan", "--model", "tiny-moe", "--gpus", "8", "--batch", "16", "--prompt-len", "16",
+                 "--gen-len", "4", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    doc = _sections(out)
+    assert set(doc) == {"parallel", "schedule", "moe"}
+    par = doc["parallel"]
+    dp = 8 // (par["tp"] * par["pp"])
+    assert par["tp"] * par["pp"] * dp == 8 and par["ep"] * par["expert_tp"] == dp * par["tp"]
+    # the sections pass the config loader's own checks
+    raw = dict(doc, model={"preset": "tiny-moe"}, generate={"prompts": str(tmp_path / "p.jsonl"),
+                                                            "output": str(tmp_path / "o.jsonl"), "batch_size": 16})
+    _build("plan-output.toml", raw)
+    assert out.count("\n#    ") >= 3                                     # the table's rows
+
+
+def test_cli_dense_model_has_no_moe_section(capsys):
+    assert main(["plan", "--model", "gpt-13b", "--gpus", "16", "--hardware", "dgx-h100-80gb", "--objective",
+                 "throughput", "--batch", "64"]) == 0
+    doc = _sections(capsys.readouterr().out)
+    assert set(doc) == {"parallel", "schedule"}
+    assert doc["parallel"]["tp"] <= 8
+
+
+def test_cli_errors_name_the_problem(capsys):
+    assert main(["plan", "--model", "gpt-13b", "--gpus", "12"]) != 0
+    assert "whole number of nodes of 8" in capsys.readouterr().err
+    assert main(["plan", "--model", "lm-530b", "--gpus", "2", "--gpu-memory", "40GB"]) != 0
+    err = capsys.readouterr().err
+    assert "no layout of 2 GPUs fits" in err and "leanest needs" in err
+    assert main(["plan", "--model", "gpt-13b", "--gpus", "8", "--latency-budget", "0.001"]) != 0
+    assert "--latency-budget" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt-13b", "--gpus", "0"]) != 0
+    assert "--gpus must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_reads_a_hardware_file(capsys, tmp_path):
+    path = tmp_path / "hw.toml"
+    path.write_text(dataclasses.replace(HARDWARE["dgx-a100-40gb"], gpus_per_node=2, name="two").to_toml())
+    assert main(["plan", "--model", "tiny-dense", "--gpus", "4", "--hardware", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "of two" in out and _sections(out)["parallel"]["tp"] <= 2
+
+
+@pytest.mark.parametrize("model", ["ds-moe-24b-128"])
+def test_trillion_parameter_moe_on_256_a100s_is_under_25_ms(model):
+    """DeepSpeed Inference VII-B2: a 1T MoE served under 25 ms on 256 A100s (the model's best layout)."""
+    result = plan(PRESETS[model], 256, Workload(256, 128, 100), HARDWARE["dgx-a100-40gb"])
+    assert result.ranked[0].token_s < 0.025
+
+
+def test_one_gpu_that_nothing_fits_gets_an_offload_policy(capsys):
+    assert main(["plan", "--model", "tiny-dense", "--gpus", "1", "--gpu-memory", "300KB", "--prompt-len", "16",
+                 "--gen-len", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "offloading" in out
+    offload = tomllib.loads(out)["offload"]
+    assert offload["weights_gpu"] < 100 and offload["device_memory"] == 300_000
