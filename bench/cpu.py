@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,120 +24,16 @@ os.environ.setdefault("TQDM_DISABLE", "1")              # transformers' GGUF deq
 
 import numpy as np  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+from hpcinfer.bench.common import (REPO, CpuMeter, agreement, busy_warning, git_commit,  # noqa: E402,F401
+                                   loadavg, logger, machine_info, make_prompts, median, write_results)
+from hpcinfer.bench.hf_baseline import Transformers  # noqa: E402
+
 SWITCH_PAUSE_S = 0.25      # idle gap before each measured block: lets the other library's spinning threads sleep
-
-
-def log(msg: str) -> None:
-    print(f"[bench.cpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def median(values) -> float:
-    values = list(values)
-    return float(statistics.median(values)) if values else float("nan")
+log = logger("bench.cpu")
 
 
 def flat(rounds: list) -> list:
     return [x for r in rounds for x in r]
-
-
-# ---- machine and software ------------------------------------------------------------------------------------
-
-def machine_info() -> dict:
-    model, flags = "unknown", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.split()
-    except OSError:
-        pass
-    mem_total = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_total = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-    return {
-        "cpu_model": model,
-        "cpus_online": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_flags": [f for f in wanted if f in flags],
-        "mem_total_GiB": mem_total,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
-
-
-def loadavg() -> list | None:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return None
-
-
-class CpuMeter:
-    """How much CPU other processes used while we measured: (machine busy time - our own CPU time) / wall time,
-    in CPUs (0 = the machine was ours alone), from /proc/stat and os.times(); also the hypervisor's steal time."""
-
-    def __init__(self):
-        self.start = self._sample()
-
-    @staticmethod
-    def _sample():
-        try:
-            fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        except (OSError, ValueError, IndexError):
-            return None
-        tick = os.sysconf("SC_CLK_TCK")
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        own = os.times()
-        return (time.perf_counter(), (user + nice + system + irq + softirq) / tick, steal / tick,
-                own.user + own.system)
-
-    def lap(self) -> dict | None:
-        """Figures since the previous lap (or since creation)."""
-        now = self._sample()
-        if now is None or self.start is None:
-            return None
-        (t0, busy0, steal0, own0), (t1, busy1, steal1, own1) = self.start, now
-        self.start = now
-        wall = max(t1 - t0, 1e-9)
-        return {"wall_s": round(wall, 2), "own_cpus": round((own1 - own0) / wall, 2),
-                "other_cpus": round(max(0.0, (busy1 - busy0) - (own1 - own0)) / wall, 2),
-                "steal_cpus": round((steal1 - steal0) / wall, 2)}
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-# ---- inputs ----------------------------------------------------------------------------------------------------
-
-def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    """`count` different prompts of exactly `length` tokens: consecutive slices of the token stream of the Python
-    standard library's pydoc_data/topics.py (real English prose, present on every Python)."""
-    import pydoc_data.topics as topics
-
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    need = count * length
-    chars = need * 8
-    while True:
-        ids = tokenizer.encode(text[:chars], add_special_tokens=False)
-        if len(ids) >= need or chars >= len(text):
-            break
-        chars *= 2
-    if len(ids) < need:
-        raise SystemExit(f"bench.cpu: pydoc_data/topics.py gives only {len(ids)} tokens, {need} needed")
-    return [ids[i * length:(i + 1) * length] for i in range(count)]
 
 
 # ---- memory read bandwidth -------------------------------------------------------------------------------------
@@ -211,56 +103,6 @@ class Hpcinfer:
         return times.prefill_s, list(times.decode_s), [ids for ids, _ in results]
 
 
-# ---- transformers ----------------------------------------------------------------------------------------------
-
-class Transformers:
-    name = "transformers"
-
-    def __init__(self, gguf: str):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        path = Path(gguf)
-        t0 = time.perf_counter()
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
-        except TypeError:                                  # transformers < 4.56 spells it torch_dtype
-            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              torch_dtype=torch.float32)
-        self.model.eval()
-        self.load_s = time.perf_counter() - t0
-        import inspect
-
-        # What transformers' own generate() does: compute the LM head only at the last prompt position.
-        self.logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
-
-    def generate(self, prompts: list, new_tokens: int):
-        """Same contract as Hpcinfer.generate: one forward over the [B, L] prompts with use_cache=True, then
-        single-token forwards with past_key_values in a manual loop; greedy argmax after each."""
-        torch = self.torch
-        ids = torch.tensor(prompts, dtype=torch.long)                     # [B, L], equal lengths: no padding
-        extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
-        steps, generated = [], []
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = self.model(input_ids=ids, use_cache=True, **extra)
-            token = out.logits[:, -1].argmax(-1)                          # [B]
-            prefill_s = time.perf_counter() - t0
-            past = out.past_key_values
-            generated.append(token)
-            for _ in range(new_tokens - 1):
-                t0 = time.perf_counter()
-                out = self.model(input_ids=token[:, None], past_key_values=past, use_cache=True)
-                token = out.logits[:, -1].argmax(-1)
-                past = out.past_key_values
-                steps.append(time.perf_counter() - t0)
-                generated.append(token)
-        return prefill_s, steps, torch.stack(generated, dim=1).tolist()
-
-
 # ---- one round -------------------------------------------------------------------------------------------------
 
 def measure(system, prompts: list, args) -> tuple[dict, dict]:
@@ -276,20 +118,6 @@ def measure(system, prompts: list, args) -> tuple[dict, dict]:
     pb, decb, tokb = system.generate(prompts, args.batch_new_tokens)
     timings = {"prefill_s": prefill, "decode_b1_s": dec1, "prefill_batch_s": [pb], "decode_batch_s": decb}
     return timings, {"b1": tok1, "batch": tokb}
-
-
-def agreement(a: list, b: list) -> dict:
-    """Greedy tokens that agree: per sequence, the length of the common prefix (fp32 rounding may flip a near-tie
-    late in a generation; an early mismatch means the two systems do not compute the same model)."""
-    prefixes = []
-    for x, y in zip(a, b):
-        n = 0
-        for u, v in zip(x, y):
-            if u != v:
-                break
-            n += 1
-        prefixes.append(n)
-    return {"common_prefix": prefixes, "min": min(prefixes), "length": len(a[0]) if a else 0}
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
@@ -479,18 +307,9 @@ def main(argv=None) -> int:
     result["machine"]["loadavg_end"] = loadavg()
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"cpu-{result['date']}"
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    Path(f"{stem}.md").write_text(text)
-    print(text)
-    log(f"wrote {stem}.json and {stem}.md in {result['elapsed_s']:.0f} s")
     busy = [r["other_cpus"] for r in raw["cpu_use"] if r]
-    if busy and max(busy) > 0.2:
-        log(f"warning: other processes used up to {max(busy):.2f} CPUs during a round (per round: {busy}); "
-            f"the times of those rounds are inflated")
+    result["warnings"] = busy_warning(busy, f"a measured round (per round: {busy})")
+    write_results(args.out, "cpu", result, markdown(result), log)
     return 0
 
 

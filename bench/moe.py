@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cpu import REPO, CpuMeter, git_commit, loadavg, machine_info, median
-from bench.pipeline import BUSY_WARN_CPUS, ChildCpuMeter, wait_quiet
+from hpcinfer.bench.common import (BUSY_WARN_CPUS, REPO, ChildCpuMeter, CpuMeter, busy_warning, git_commit,
+                                   loadavg, logger, machine_info, median, wait_quiet, write_results)
 
 sys.path.insert(0, str(REPO / "tests"))                    # tests/moe_reference.py: the einsum formulation
 
@@ -33,8 +33,7 @@ KINDS = ("flat", "hierarchical", "pcc", "pcc+hierarchical")
 MPI_TIMEOUT_S = 120
 
 
-def log(msg: str) -> None:
-    print(f"[bench.moe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("bench.moe")
 
 
 def ints(text: str) -> list[int]:
@@ -457,16 +456,13 @@ def main(argv=None) -> int:
     if "a" in args.parts:
         result["a"] = part_a(args, deadline)
         busy = [r["other_cpus"] for r in result["a"]["cpu_use_per_round"] if r]
-        if busy and max(busy) > BUSY_WARN_CPUS:
-            warnings.append(f"(a): other processes used up to {max(busy):.2f} CPUs during a round; rerun on a "
-                            f"quiet machine")
+        warnings += [f"(a): {w}" for w in busy_warning(busy, "a round")]
     if "b" in args.parts:
         result["b_stats"] = part_b_stats(args)
         log(f"(b) message model at worlds {args.worlds}; MPI jobs {args.layouts}")
         result["b_measured"] = part_b_measured(args, deadline)
         busy = [(j["cpu"] or {}).get("other_cpus", 0.0) for j in result["b_measured"]["jobs"]]
-        if busy and max(busy) > BUSY_WARN_CPUS:
-            warnings.append(f"(b): other processes used up to {max(busy):.2f} CPUs during an MPI job")
+        warnings += [f"(b): {w}" for w in busy_warning(busy, "an MPI job")]
 
     import hpcinfer
     s = vars(args).copy()
@@ -483,16 +479,7 @@ def main(argv=None) -> int:
         "warnings": warnings,
     })
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"moe-{result['date']}"
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    text = markdown(result)
-    Path(f"{stem}.md").write_text(text)
-    print(text)
-    log(f"wrote {stem}.json and {stem}.md in {result['elapsed_s']:.0f} s")
-    for w in warnings:
-        log(f"warning: {w}")
+    write_results(args.out, "moe", result, markdown(result), log)
     return 0
 
 

@@ -23,15 +23,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.cpu import REPO, CpuMeter, agreement, git_commit, loadavg, machine_info, make_prompts, median
+from hpcinfer.bench.common import (BUSY_WARN_CPUS, REPO, ChildCpuMeter, CpuMeter, agreement,  # noqa: F401
+                                   busy_warning, git_commit, loadavg, logger, machine_info, make_prompts, median,
+                                   wait_quiet, write_results)
 
 RUN_TIMEOUT_S = 300        # MPIEXEC_TIMEOUT of one run: a backstop against a hung job
-BUSY_WARN_CPUS = 0.2      # other processes' CPU use above which a run counts as disturbed
-QUIET_WINDOW_S = 1.0
-
-
-def log(msg: str) -> None:
-    print(f"[bench.pipeline {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("bench.pipeline")
 
 
 # ---- what is compared ------------------------------------------------------------------------------------------
@@ -71,31 +68,6 @@ def layouts(args) -> list[Layout]:
 
 
 # ---- one run of the CLI ----------------------------------------------------------------------------------------
-
-class ChildCpuMeter(CpuMeter):
-    """CpuMeter that counts the waited-for mpiexec jobs (and their ranks) as our own CPU time, so other_cpus is
-    what every other process on the machine used meanwhile."""
-
-    @staticmethod
-    def _sample():
-        base = CpuMeter._sample()
-        if base is None:
-            return None
-        t = os.times()
-        return base[:3] + (base[3] + t.children_user + t.children_system,)
-
-
-def wait_quiet(max_s: float) -> dict:
-    """Before a run: wait (1 s windows, at most max_s) until other processes use <= BUSY_WARN_CPUS CPUs."""
-    meter, t0, other = CpuMeter(), time.perf_counter(), None
-    while max_s > 0:
-        time.sleep(QUIET_WINDOW_S)
-        lap = meter.lap()
-        other = lap["other_cpus"] if lap else 0.0
-        if other <= BUSY_WARN_CPUS or time.perf_counter() - t0 + QUIET_WINDOW_S > max_s:
-            break
-    return {"other_cpus": other, "waited_s": round(time.perf_counter() - t0, 1)}
-
 
 class Runner:
     def __init__(self, args, workdir: Path):
@@ -374,9 +346,7 @@ def main(argv=None) -> int:
     stable = {lay.name: all(t == tokens[lay.name][0] for t in tokens[lay.name]) for lay in lays}
     warnings = []
     busy = [(x["cpu"] or {}).get("other_cpus", 0.0) for lay in lays for x in raw[lay.name]]
-    if busy and max(busy) > BUSY_WARN_CPUS:
-        warnings.append(f"other processes used up to {max(busy):.2f} CPUs during a run (per run in the JSON: "
-                        f"raw[...].cpu.other_cpus); the times of those runs are inflated")
+    warnings += busy_warning(busy, "a run (per run in the JSON: raw[...].cpu.other_cpus)")
     bad = [name for name, c in checks.items() if c["min"] < c["length"] // 2]
     if bad:
         warnings.append(f"greedy tokens of {bad} diverge from pp=1 early: not the same computation")
@@ -419,16 +389,7 @@ def main(argv=None) -> int:
     result["machine"]["loadavg_end"] = loadavg()
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"pipeline-{result['date']}"
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    Path(f"{stem}.md").write_text(text)
-    print(text)
-    log(f"wrote {stem}.json and {stem}.md in {result['elapsed_s']:.0f} s")
-    for w in warnings:
-        log(f"warning: {w}")
+    write_results(args.out, "pipeline", result, markdown(result), log)
     return 0
 
 

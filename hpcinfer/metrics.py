@@ -4,8 +4,16 @@ pipeline's per-stage busy time and bubble fraction. Built on rank 0 from every r
 from __future__ import annotations
 
 import dataclasses
+import resource
+import sys
 
 import numpy as np
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (host memory high-water mark)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024            # Linux reports KiB, macOS bytes
 
 
 def matmul_params(arch) -> int:
@@ -75,6 +83,10 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
             "weights_peak_device_bytes_per_rank": max(r.times.weights_peak_device_bytes for r in reports),
             "weights_bytes_from_host": sum(r.times.weights_bytes_from_host for r in reports),
             "weights_bytes_from_disk": sum(r.times.weights_bytes_from_disk for r in reports),
+        },
+        "memory": {
+            "host_peak_rss_bytes_per_rank": max(getattr(r, "peak_rss_bytes", 0) for r in reports),
+            "weight_bytes_per_rank": int(weight_bytes_per_rank),
         },
         "kv_cache": {
             "peak_device_bytes_per_rank": max(r.times.kv_peak_device_bytes for r in reports),

@@ -1,0 +1,92 @@
+"""The figures of one run, from its metrics JSON (hpcinfer/metrics.py, docs/formats.md) or from the transformers
+baseline's own timings, and their medians over rounds."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .common import median
+
+# Figures whose median over rounds the results keep (memory is the same in every round: the last run's is kept).
+TIMED = ("prompt_latency_ms", "per_token_ms_median", "per_token_ms_p90", "tokens_per_s", "tflops_per_rank",
+         "bandwidth_GBps_per_rank", "bandwidth_utilization", "bubble_fraction", "generate_s", "load_s")
+
+
+def from_metrics(m: dict, ranks_on_node: int, machine_GBps: float | None) -> dict:
+    """One hpcinfer job's figures. bandwidth_utilization = the weight bytes all ranks of a node stream per decode
+    step / the machine's measured read bandwidth (decode reads every weight once per step)."""
+    bw = m["decode_weight_bandwidth_GBps_per_rank"]
+    offload, kv, mem = m.get("offload", {}), m.get("kv_cache", {}), m.get("memory", {})
+    device_weights = offload.get("weights_peak_device_bytes_per_rank") or mem.get("weight_bytes_per_rank")
+    return {
+        "prompt_latency_ms": m["prefill_s"] * 1e3,
+        "per_token_ms_median": m["decode_step_ms"]["median"],
+        "per_token_ms_p90": m["decode_step_ms"]["p90"],
+        "tokens_per_s": m["tokens_per_s"],
+        "tflops_per_rank": m["flop_rate_GFLOPs_per_rank"] / 1e3,
+        "bandwidth_GBps_per_rank": bw,
+        "bandwidth_utilization": bw * ranks_on_node / machine_GBps if machine_GBps else None,
+        "bubble_fraction": m["pipeline"]["bubble_fraction"],
+        "generate_s": m["generate_s"],
+        "load_s": m["load_s"],
+        "memory": {"device_weights_bytes_per_rank": device_weights,
+                   "device_kv_peak_bytes_per_rank": kv.get("peak_device_bytes_per_rank"),
+                   "host_peak_rss_bytes_per_rank": mem.get("host_peak_rss_bytes_per_rank"),
+                   "weights_from_host_bytes": offload.get("weights_bytes_from_host"),
+                   "weights_from_disk_bytes": offload.get("weights_bytes_from_disk")},
+        "mesh": m["mesh"],
+    }
+
+
+def from_steps(prefill_s: float, steps: list, batch: int, new_tokens: int) -> dict:
+    """The transformers baseline's figures from its prefill time and decode step times (one process)."""
+    total = prefill_s + sum(steps)
+    return {"prompt_latency_ms": prefill_s * 1e3,
+            "per_token_ms_median": median(steps) * 1e3,
+            "per_token_ms_p90": float(np.percentile(steps, 90)) * 1e3 if steps else float("nan"),
+            "tokens_per_s": batch * new_tokens / total if total > 0 else 0.0,
+            "generate_s": total}
+
+
+def medians(runs: list[dict]) -> dict:
+    """Median over rounds of every timed figure present; memory and mesh from the last round."""
+    out = {}
+    for key in TIMED:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            out[key] = median(values)
+    for key in ("memory", "mesh"):
+        if key in runs[-1]:
+            out[key] = runs[-1][key]
+    return out
+
+
+def ratios(base: dict, ours: dict) -> dict:
+    """How much better hpcinfer is than a baseline (> 1: hpcinfer is better): baseline time / hpcinfer time for
+    latencies, hpcinfer / baseline for tokens/s."""
+    out = {}
+    for key in ("prompt_latency_ms", "per_token_ms_median", "per_token_ms_p90"):
+        if base.get(key) and ours.get(key):
+            out[key] = base[key] / ours[key]
+    if base.get("tokens_per_s") and ours.get("tokens_per_s"):
+        out["tokens_per_s"] = ours["tokens_per_s"] / base["tokens_per_s"]
+    return out
+
+
+def read_bandwidth_GBps(nbytes: int = 256 * 2**20, passes: int = 5) -> dict:
+    """The machine's memory read bandwidth as the benchmarks' decode sees it: NumPy A @ x (BLAS sgemv reads every
+    byte of A once) over a float32 matrix A of `nbytes` (every page written first), all threads; best pass."""
+    cols = 4096
+    a = np.empty((max(1, nbytes // (4 * cols)), cols), dtype=np.float32)
+    a.fill(1.0)
+    x = np.ones(cols, dtype=np.float32)
+    times = []
+    for _ in range(passes + 1):                         # the first pass warms up
+        t0 = time.perf_counter()
+        a @ x
+        times.append(time.perf_counter() - t0)
+    best = min(times[1:])
+    return {"GBps": a.nbytes / best / 1e9, "bytes": a.nbytes, "passes": passes,
+            "method": "NumPy A @ x over a float32 matrix (BLAS sgemv), all threads, best of the passes"}
