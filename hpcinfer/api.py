@@ -32,7 +32,7 @@ def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:
     """Prefill all prompts as one packed step; logits [S, V] float32 at each prompt's last position."""
     arch = model.arch
     cache = KVCache(model.ops, arch.num_layers, len(prompts), model.kv_heads_local,
-                    max(len(p) for p in prompts), arch.head_dim)
+                    max(len(p) for p in prompts), arch.head_dim, kv_format=model.kv_format)
     step = StepLayout.build(range(len(prompts)), [0] * len(prompts), [len(p) for p in prompts])
     tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
     return model.ops.to_host(model.forward(tokens, step, cache))

@@ -23,7 +23,7 @@ from .hf_tokenizer import tokenizer_files
 from .hf_weights import WeightSource, read_json
 from .writer import CheckpointWriter
 
-SUPPORTED = ("gpt2", "opt", "gpt_neox", "llama", "mixtral")
+SUPPORTED = ("gpt2", "opt", "gpt_neox", "llama", "mixtral", "bert", "roberta", "distilbert")
 
 
 def convert_hf(folder: str, out: str, dtype: str = "float32", quantize: str = "none",

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..model.arch import ModelArch
+from .hf_encoders import ENCODER_FAMILIES
 from .hf_weights import WeightSource
 
 # T=tensor D=hidden H=heads Hkv=KV heads hd=head dim F=MLP width V=vocab P=positions
@@ -277,4 +278,5 @@ FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "gpt_neox": (_gpt_neox_arch, _gpt_neox_tensors),
     "llama": (_llama_arch, _llama_tensors),
     "mixtral": (_mixtral_arch, _mixtral_tensors),
+    **ENCODER_FAMILIES,                      # bert, roberta, distilbert (hf_encoders.py)
 }

@@ -13,6 +13,7 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 GATE_NORMALIZE = ("topk", "none")
+NORM_POSITIONS = ("pre", "post")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class ModelArch:
     moe_min_capacity: int = 4
     moe_intermediate_size: int = 0     # expert FFN width; 0: intermediate_size
     moe_residual: bool = False   # PR-MoE: a dense MLP beside the experts, mixed by a learned 2-way coefficient
+    # Encoders (BERT family, docs/embed.md): bidirectional attention, no LM head and no final norm.
+    causal: bool = True          # false: an encoder (every token sees its whole sequence)
+    norm_position: str = "pre"   # pre: x + f(norm(x)) | post: norm(x + f(x)) (BERT)
+    type_vocab_size: int = 0     # rows of the token-type table embed.token_types (0: none)
+    embed_norm: bool = False     # a LayerNorm (embed.norm) after the summed embeddings
+    pooler: bool = False         # pooler.weight [D, D] + bias: tanh(dense(x[CLS]))
 
     def __post_init__(self):
         problems = []
@@ -65,6 +72,10 @@ class ModelArch:
             problems.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.position == "rotary" and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             problems.append(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+        if self.norm_position not in NORM_POSITIONS:
+            problems.append(f"norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}")
+        if not self.causal and self.moe_experts:
+            problems.append("an encoder (causal = false) has no MoE layers")
         problems += self._moe_problems()
         if problems:
             raise ValueError("; ".join(problems))
@@ -101,6 +112,10 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_encoder(self) -> bool:
+        return not self.causal
 
     @property
     def has_norm_bias(self) -> bool:
@@ -151,6 +166,7 @@ def tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed.tokens": (V, D)}
     if arch.position == "learned":
         shapes["embed.positions"] = (arch.max_positions, D)
+    shapes.update(_encoder_embedding_shapes(arch))
     for i in range(arch.num_layers):
         p = f"layers.{i}."
         for norm in ("attn_norm", "mlp_norm"):
@@ -173,11 +189,27 @@ def tensor_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             if arch.moe_residual:
                 shapes[p + "moe.coef.weight"] = (2, D)
                 shapes[p + "moe.coef.bias"] = (2,)
+    if arch.is_encoder:
+        return shapes                        # no final norm, no LM head (the pooler is an embedding part)
     shapes["final_norm.weight"] = (D,)
     if arch.has_norm_bias:
         shapes["final_norm.bias"] = (D,)
     if not arch.tied_embeddings:
         shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
+def _encoder_embedding_shapes(arch: ModelArch) -> dict:
+    """Token-type table, embedding LayerNorm and pooler (BERT family); empty for decoders."""
+    D, shapes = arch.hidden_size, {}
+    if arch.type_vocab_size:
+        shapes["embed.token_types"] = (arch.type_vocab_size, D)
+    if arch.embed_norm:
+        shapes["embed.norm.weight"] = (D,)
+        shapes["embed.norm.bias"] = (D,)
+    if arch.pooler:
+        shapes["pooler.weight"] = (D, D)                  # [out, in], replicated
+        shapes["pooler.bias"] = (D,)
     return shapes
 
 

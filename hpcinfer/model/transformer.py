@@ -20,6 +20,7 @@ class Block:
     def __init__(self, ops, groups, arch, index: int, dtype: str, capacity_factor: float | None = None):
         prefix = f"layers.{index}"
         self.parallel_residual = arch.parallel_residual
+        self.post_norm = arch.norm_position == "post"
         self.attn_norm = Norm(ops, arch, f"{prefix}.attn_norm")
         self.attn = Attention(ops, groups.tp, arch, f"{prefix}.attn", dtype)
         self.mlp_norm = Norm(ops, arch, f"{prefix}.mlp_norm")
@@ -31,6 +32,9 @@ class Block:
             part.load(ckpt)
 
     def __call__(self, x, step, cache_k, cache_v, rope):    # x [T, D] -> [T, D]
+        if self.post_norm:                                   # BERT: the norm after each residual sum
+            h = self.attn_norm(x + self.attn(x, step, cache_k, cache_v, rope))
+            return self.mlp_norm(h + self.mlp(h))
         if self.parallel_residual:                           # GPT-NeoX: both branches read x
             return x + self.attn(self.attn_norm(x), step, cache_k, cache_v, rope) + self.mlp(self.mlp_norm(x))
         h = x + self.attn(self.attn_norm(x), step, cache_k, cache_v, rope)
@@ -52,12 +56,21 @@ class Decoder:
                      if arch.position == "rotary" else None)
         self.blocks = [Block(ops, groups, arch, i, dtype, capacity_factor) for i in self.stage.layers]
         self.weights = None                                   # a WeightTiers when weights are offloaded
+        self.kv_format = None                                 # quant.kv.KVFormat of the KV caches; None = float32
         self.final_norm = Norm(ops, arch, "final_norm") if last else None
         self.lm_head = None
         if last:                                      # tied: the first stage's table, or the last stage's own copy
             head_name = "embed.tokens" if arch.tied_embeddings else "lm_head.weight"
             self.lm_head = (self.embed if first and arch.tied_embeddings else
                             VocabParallelEmbedding(ops, self.tp, head_name, arch.vocab_size, dtype))
+
+    def set_attention(self, kv_format=None, topk: float = 0.0) -> "Decoder":
+        """`[model] kv_cache` (a quant.kv.KVFormat, None = float32; the generate loop builds its caches so) and
+        `[generate] attention_topk` (fraction of cached positions each decode query keeps; 0 = dense)."""
+        self.kv_format = kv_format
+        for block in self.blocks:
+            block.attn.topk = float(topk)
+        return self
 
     @property
     def kv_heads_local(self) -> int:
