@@ -1,5 +1,5 @@
-"""SmolLM2 perplexity on real English prose, float32 against each weight-quantization mode (issue 7, "Accuracy";
-docs/quantization.md).
+"""SmolLM2 perplexity on real English prose, float32 against each weight- and KV-quantization mode and top-k
+sparse attention (issue 7, "Accuracy"; docs/quantization.md).
 
 Text: the concatenation of a fixed list of entries of the Python standard library's `pydoc_data.topics.topics`
 (the reference manual's prose, present on every Python), tokenized with the checkpoint's own tokenizer (no special
@@ -11,15 +11,32 @@ Logits are needed at every position, so the script runs the model's pieces itsel
 KVCache and a one-sequence StepLayout, then final norm + LM head on all positions) instead of `prompt_logits`,
 which keeps only the last position. Log-softmax in float64.
 
+Decode modes (names ending in a KV or top-k setting) cannot score a window in one prefill: a quantized KV cache
+and top-k attention act on rows READ FROM THE CACHE, and a one-step prefill reads none (each token sees its own
+step's keys unquantized, and top-k applies to decode steps only). So they run the window token by token, as
+generation does: all windows as one batch of sequences, step t feeds token t of every window (one decode step,
+StepLayout counts 1) and scores token t+1 from that step's logits. Every cached key and value a step reads was
+stored quantized by an earlier step, and each step's top-k picks among all of them. `float32-decode` runs the same
+loop with a float cache: it is the baseline of the decode modes and checks that the loop equals the prefill.
+
 Modes:
-  float32      models/smollm2.h5 as stored (float32; itself the dequantized Q4_1 GGUF, the only weights that ship)
-  int8         the same file, load_model(..., quantize="int8")  (per-row symmetric int8)
-  int4-g64     the same file, load_model(..., quantize="int4", group_size=64)
-  q4_1-kept    models/SmolLM2-135M-Instruct.Q4_1.gguf converted with `convert --keep-quantized` into a temp file
+  float32          models/smollm2.h5 as stored (float32; itself the dequantized Q4_1 GGUF, the only weights that ship)
+  int8             the same file, load_model(..., quantize="int8")  (per-row symmetric int8)
+  int4-g64         the same file, load_model(..., quantize="int4", group_size=64)
+  int4-g32         the same, group_size=32 (the groups of the Q4_1 weights it re-quantizes)
+  q4_1-kept        models/SmolLM2-135M-Instruct.Q4_1.gguf converted with `convert --keep-quantized` into a temp file
+  float32-decode   float32 weights and cache, token by token
+  kv-int4          float32 weights, int4 KV cache (groups of 64 = head_dim), token by token
+  kv-int8          float32 weights, int8 KV cache, token by token
+  kv-int4-g32/-g16 float32 weights, int4 KV cache with groups of 32 / 16 values (2 / 4 groups per head row)
+  int4-g64+kv-int4 int4 g64 weights and int4 KV cache, token by token
+  int4-g32+kv-int4 int4 g32 weights and int4 KV cache, token by token (any `weights+attention` pair works)
+  topk-F           float32 weights and cache, top-k sparse decode attention keeping a fraction F of the cached
+                   positions (0.1 is FlexGen's setting; 0.25 and 0.5 show how the loss falls with F)
 
-    python -m bench.perplexity [--windows 8] [--window 256] [--out bench/results]
+    python -m bench.perplexity [--windows 8] [--window 256] [--modes a,b,...] [--tag b] [--out bench/results]
 
-Writes bench/results/perplexity-<YYYY-MM-DD>.json and .md and prints the table.
+Writes bench/results/perplexity-<YYYY-MM-DD><tag>.json and .md and prints the table.
 """
 
 from __future__ import annotations
@@ -45,7 +62,11 @@ GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOPIC_KEYS = ("execmodel", "naming", "exceptions", "assignment", "import", "compound", "class", "function", "try",
               "types", "numbers", "attribute-access")
 
-TARGETS = {"int8": 0.01, "int4-g64": 0.10, "q4_1-kept": 0.10}   # allowed relative perplexity increase over float32
+TARGETS = {"int8": 0.01, "int4-g64": 0.10, "int4-g32": 0.10, "q4_1-kept": 0.10, "kv-int4": 0.10,
+           "int4-g64+kv-int4": 0.10, "int4-g32+kv-int4": 0.10,
+           "kv-int4-g32": 0.10, "kv-int4-g16": 0.10, "int4-g32+kv-int4-g16": 0.10}   # allowed relative increase over float32
+DEFAULT_MODES = ("float32,int8,int4-g64,int4-g32,q4_1-kept,float32-decode,kv-int4,kv-int4-g32,kv-int4-g16,kv-int8,"
+                 "int4-g64+kv-int4,int4-g32+kv-int4,int4-g32+kv-int4-g16,topk-0.1,topk-0.25,topk-0.5")
 
 
 def log(msg: str) -> None:
@@ -89,6 +110,23 @@ def all_position_logits(model, tokens: list[int]) -> np.ndarray:
     return model.ops.to_host(model.lm_head.logits(model.final_norm(x)))
 
 
+def decode_logits(model, windows: list[list[int]]) -> list[np.ndarray]:
+    """All windows as one batch, token by token: step t feeds token t of each window at position t and returns
+    logits [S, V] for position t. -> per window logits [W, V] (float32) at every position."""
+    from hpcinfer.backend.ops import StepLayout
+    from hpcinfer.generate.kv_cache import KVCache
+
+    arch, S, W = model.arch, len(windows), len(windows[0])
+    cache = KVCache(model.ops, arch.num_layers, S, model.kv_heads_local, W, arch.head_dim,
+                    kv_format=model.kv_format)
+    ids = np.asarray(windows, dtype=np.int64)                                       # [S, W]
+    out = np.empty((S, W, arch.vocab_size), dtype=np.float32)
+    for t in range(W):
+        step = StepLayout.build(range(S), [t] * S, [1] * S)
+        out[:, t] = model.ops.to_host(model.forward(ids[:, t], step, cache))[:, :arch.vocab_size]
+    return list(out)
+
+
 def window_nll(logits: np.ndarray, tokens: list[int]) -> np.ndarray:
     """Negative log-likelihood of tokens[1:] given the logits at positions [:-1]; float64 [T-1]."""
     z = logits[:-1].astype(np.float64)
@@ -98,10 +136,11 @@ def window_nll(logits: np.ndarray, tokens: list[int]) -> np.ndarray:
     return logz - z[np.arange(len(target)), target]
 
 
-def measure(model, windows: list[list[int]]) -> dict:
+def measure(model, windows: list[list[int]], decode: bool = False) -> dict:
     nll, per_window, argmax_hits, t0 = [], [], 0, time.perf_counter()
-    for w in windows:
-        logits = all_position_logits(model, w)
+    decoded = decode_logits(model, windows) if decode else None
+    for i, w in enumerate(windows):
+        logits = decoded[i] if decode else all_position_logits(model, w)
         v = window_nll(logits, w)
         nll.append(v)
         per_window.append(float(math.exp(v.mean())))
@@ -112,8 +151,39 @@ def measure(model, windows: list[list[int]]) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
+WEIGHTS = {"float32": ("float32 (smollm2.h5)", {}), "int8": ("int8 per-row, quantized at load", {"quantize": "int8"}),
+           "int4-g64": ("int4 g64, quantized at load", {"quantize": "int4", "group_size": 64}),
+           "int4-g32": ("int4 g32, quantized at load", {"quantize": "int4", "group_size": 32}),
+           "q4_1": ("GGUF Q4_1 kept (g32)", None)}
+ATTENTION = {"": ("float32", None, 0.0, 64), "decode": ("float32", None, 0.0, 64),
+             "kv-int4": ("int4 g64", "int4", 0.0, 64), "kv-int8": ("int8 g64", "int8", 0.0, 64),
+             "kv-int4-g32": ("int4 g32", "int4", 0.0, 32), "kv-int4-g16": ("int4 g16", "int4", 0.0, 16)}
+ATTENTION.update({f"topk-{f}": (f"float32, top-k {f}", None, f, 64) for f in (0.1, 0.25, 0.5)})
+
+
+def load_mode(mode: str, tmp: str):
+    """mode -> (model, weights description, KV description, token-by-token?). A mode is a weight mode, an
+    attention mode on float32 weights, or `weights+attention`."""
+    from hpcinfer.api import load_model
+    from hpcinfer.quant.kv import kv_format
+
+    names = {"q4_1-kept": "q4_1", "float32-decode": "float32+decode"}
+    weights, _, attention = names.get(mode, mode).partition("+")
+    if weights in ATTENTION and weights not in WEIGHTS:
+        weights, attention = "float32", weights
+    if weights not in WEIGHTS or attention not in ATTENTION:
+        raise SystemExit(f"bench.perplexity: unknown mode {mode!r}")
+    label, kwargs = WEIGHTS[weights]
+    model = load_model(str(convert_keep_quantized(tmp))) if kwargs is None else load_model(str(H5), **kwargs)
+    kv_label, kv_mode, topk, group = ATTENTION[attention]
+    model.set_attention(kv_format(kv_mode or "none", group, model.arch.head_dim), topk)
+    return model, label, kv_label, attention != ""
+
+
 def convert_keep_quantized(tmpdir: str) -> Path:
     out = Path(tmpdir) / "smollm2-q4_1-kept.h5"
+    if out.exists():
+        return out
     cmd = [sys.executable, "-m", "hpcinfer", "convert", str(GGUF), str(out), "--keep-quantized"]
     log("converting: " + " ".join(cmd[1:]))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -124,20 +194,26 @@ def convert_keep_quantized(tmpdir: str) -> Path:
 
 def markdown(result: dict) -> str:
     s = result["settings"]
-    lines = [f"# SmolLM2 perplexity by weight-quantization mode ({result['date']})", "",
+    lines = [f"# SmolLM2 perplexity by weight and KV quantization mode ({result['date']})", "",
              f"Text: `pydoc_data.topics.topics` entries {', '.join(s['topic_keys'])} (Python {s['python']}), "
              f"checkpoint tokenizer, {s['windows']} non-overlapping windows of {s['window']} tokens, "
              f"{result['modes'][0]['predictions']} next-token predictions. NumPy backend, float32 compute.", "",
-             "| mode | weights | perplexity | ratio to float32 | target | top-1 acc | time (s) |",
-             "|---|---|---|---|---|---|---|"]
+             "| mode | weights | KV cache / attention | evaluation | perplexity | ratio to float32 | "
+             "ratio to float32-decode | target | top-1 acc | time (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in result["modes"]:
         target = f"<= {1 + TARGETS[m['mode']]:.2f}" if m["mode"] in TARGETS else "-"
         ok = "" if m["mode"] not in TARGETS else (" (met)" if m["within_target"] else " (**missed**)")
-        lines.append(f"| {m['mode']} | {m['weights']} | {m['perplexity']:.4f} | {m['ratio_to_float32']:.4f} | "
-                     f"{target}{ok} | {m['top1_accuracy']:.3f} | {m['seconds']:.1f} |")
+        dec = f"{m['ratio_to_float32_decode']:.4f}" if "ratio_to_float32_decode" in m else "-"
+        lines.append(f"| {m['mode']} | {m['weights']} | {m.get('kv_cache', 'float32')} | "
+                     f"{m.get('evaluation', 'prefill')} | {m['perplexity']:.4f} | {m['ratio_to_float32']:.4f} | "
+                     f"{dec} | {target}{ok} | {m['top1_accuracy']:.3f} | {m['seconds']:.1f} |")
     lines += ["", "float32 is `models/smollm2.h5`, itself the dequantized Q4_1 GGUF (the only SmolLM2 weights that "
               "ship), so Q4_1 kept computes with the same weight values and should match float32 up to float "
-              "rounding in the matmul order; int8 and int4 re-quantize those already-4-bit weights."]
+              "rounding in the matmul order; int8 and int4 re-quantize those already-4-bit weights.",
+              "", "Token-by-token modes score the same predictions through decode steps that read every earlier "
+              "position from the KV cache (quantized, or top-k selected); their targets are judged against "
+              "float32 (prefill); float32-decode is the same loop with a float cache."]
     return "\n".join(lines) + "\n"
 
 
@@ -146,10 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
-    ap.add_argument("--modes", default="float32,int8,int4-g64,q4_1-kept")
+    ap.add_argument("--modes", default=DEFAULT_MODES)
+    ap.add_argument("--tag", default="", help="suffix of the result files' names (e.g. b)")
     args = ap.parse_args(argv)
-
-    from hpcinfer.api import load_model
 
     windows = make_windows(H5, args.windows, args.window)
     log(f"{len(windows)} windows x {args.window} tokens")
@@ -157,40 +232,40 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
-            if mode == "float32":
-                model, weights = load_model(str(H5)), "float32 (smollm2.h5)"
-            elif mode == "int8":
-                model, weights = load_model(str(H5), quantize="int8"), "int8 per-row, quantized at load"
-            elif mode == "int4-g64":
-                model, weights = load_model(str(H5), quantize="int4", group_size=64), "int4 g64, quantized at load"
-            elif mode == "q4_1-kept":
-                model, weights = load_model(str(convert_keep_quantized(tmp))), "GGUF Q4_1 kept (g32)"
-            else:
-                raise SystemExit(f"bench.perplexity: unknown mode {mode!r}")
-            r = measure(model, windows)
+            model, weights, kv, decode = load_mode(mode, tmp)
+            r = measure(model, windows, decode)
             del model
-            r.update(mode=mode, weights=weights)
+            r.update(mode=mode, weights=weights, kv_cache=kv, evaluation="token by token" if decode else "prefill")
             log(f"{mode}: perplexity {r['perplexity']:.4f} ({r['seconds']:.1f} s)")
             results.append(r)
+            md = write_results(results, args, complete=len(results) == len(modes))
+    print(md)
+    return 0
+
+
+def write_results(results: list, args, complete: bool) -> str:
+    """The table so far (rewritten after every mode, so a long run that is stopped keeps what it measured)."""
     base = next((r["perplexity"] for r in results if r["mode"] == "float32"), None)
+    base_decode = next((r["perplexity"] for r in results if r["mode"] == "float32-decode"), None)
     for r in results:
         r["ratio_to_float32"] = r["perplexity"] / base if base else float("nan")
+        if r["evaluation"] != "prefill" and base_decode:
+            r["ratio_to_float32_decode"] = r["perplexity"] / base_decode
         if r["mode"] in TARGETS and base:
             r["within_target"] = bool(r["ratio_to_float32"] <= 1 + TARGETS[r["mode"]])
-
     date = _dt.date.today().isoformat()
     result = {"date": date, "checkpoint": str(H5.relative_to(REPO)), "gguf": str(GGUF.relative_to(REPO)),
+              "complete": complete, "modes_asked": args.modes,
               "settings": {"windows": args.windows, "window": args.window, "topic_keys": list(TOPIC_KEYS),
                            "python": sys.version.split()[0], "threads": os.cpu_count(),
                            "targets_relative_increase": TARGETS},
               "modes": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"perplexity-{date}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"perplexity-{date}{args.tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = markdown(result)
-    (out / f"perplexity-{date}.md").write_text(md)
-    print(md)
-    return 0
+    (out / f"perplexity-{date}{args.tag}.md").write_text(md)
+    return md
 
 
 if __name__ == "__main__":

@@ -267,11 +267,15 @@ class CupyOps:
         return out
 
     # ---- attention over the KV cache -----------------------------------------------------------------------
-    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
+    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd].
         Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu."""
         cp = self.xp
+        if topk or not isinstance(cache_k, cp.ndarray):
+            raise NotImplementedError("a quantized KV cache ([model] kv_cache) and top-k sparse attention "
+                                      "([generate] attention_topk) are not yet on the CUDA backend; use "
+                                      "[runtime] backend = \"numpy\"")
         if step.num_tokens == 0:
             return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
         self._check_cache(cache_k, cache_v)
@@ -373,6 +377,28 @@ class CupyOps:
         probs = _softmax(cp, scores).reshape(kv_heads, group * n, length)
         out = cp.matmul(probs, v_seq[:, :length])                                     # [Hkv, g*n, hd]
         return out.reshape(heads, n, hd).transpose(1, 0, 2).reshape(n, heads * hd)
+
+    # ---- encoder attention (no KV cache) ----------------------------------------------------------------------
+    def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):
+        """As NumpyOps.bidirectional_attention, as plain CuPy array code. TODO kernel: the fused encoder regions
+        (masked bidirectional attention) are left for the CUDA issue. q, k, v [T, H, hd] -> [T, H*hd]."""
+        cp = self.xp
+        T, heads, hd = q.shape
+        lengths = step.counts
+        S, L = len(lengths), int(lengths.max()) if len(lengths) else 0
+        if T == 0:
+            return cp.zeros((0, heads * hd), dtype=F32)
+        ragged = bool(np.any(lengths != L))
+        if ragged:
+            index = cp.asarray(np.minimum(step.offsets[:-1, None] + np.arange(L)[None, :], T - 1))   # [S, L]
+            valid = cp.asarray(np.arange(L)[None, :] < lengths[:, None])
+            q, k, v = q[index], k[index], v[index]                                 # [S, L, H, hd]
+        q, k, v = (a.reshape(S, L, heads, hd).transpose(0, 2, 1, 3) for a in (q, k, v))   # [S, H, L, hd]
+        scores = cp.matmul(q * F32(scale), k.transpose(0, 1, 3, 2))                # [S, H, L, L]
+        if ragged:
+            scores += cp.where(valid, F32(0), F32(-np.inf))[:, None, None, :]
+        out = cp.matmul(_softmax(cp, scores), v).transpose(0, 2, 1, 3).reshape(S, L, heads * hd)
+        return out[valid] if ragged else out.reshape(T, heads * hd)
 
     # ---- mixture of experts --------------------------------------------------------------------------------
     def softmax(self, x):

@@ -96,8 +96,13 @@ class NumpyOps:
         return x * (1.0 / np.sqrt(ms + eps)).astype(F32) * weight
 
     def activation(self, x, kind: str):
-        if kind == "gelu":
-            return (0.5 * x * (1.0 + erf(x / np.sqrt(2.0)))).astype(F32, copy=False)
+        if kind == "gelu":                       # 0.5 x (1 + erf(x / sqrt 2)), float32 throughout, one temporary
+            h = x * F32(np.sqrt(0.5))
+            erf(h, out=h)
+            h += F32(1)
+            h *= x
+            h *= F32(0.5)
+            return h
         if kind == "gelu_tanh":
             return 0.5 * x * (1.0 + np.tanh(F32(np.sqrt(2.0 / np.pi)) * (x + F32(0.044715) * x * x * x)))
         if kind == "relu":
@@ -133,13 +138,18 @@ class NumpyOps:
         return out
 
     # ---- attention over the KV cache -----------------------------------------------------------------------
-    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
+    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
 
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] -> out [T, H*hd].
+        A quantized cache (quant.kv.QuantizedKV) or top-k decode (0 < topk < 1): backend/kv_attention.py.
         """
         if step.num_tokens == 0:                             # a replica with no tokens in a lockstep step
             return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
+        if not isinstance(cache_k, np.ndarray) or (0 < topk < 1 and step.is_decode):
+            from . import kv_attention
+
+            return kv_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         self._append_kv(k, v, cache_k, cache_v, step)
         if step.is_decode:
             return self._decode_attention(q, cache_k, cache_v, step, scale)
@@ -194,6 +204,35 @@ class NumpyOps:
             scores += np.where(np.arange(L)[None, :] < lengths[:, None], F32(0), F32(-np.inf))[:, None, None, :]
         out = _softmax(scores) @ values                                            # [S, Hkv, g, hd]
         return out.reshape(S, heads * hd)
+
+    # ---- encoder attention (no KV cache) ----------------------------------------------------------------------
+    def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):
+        """Each token attends to every token of its own sequence (an encoder, no cache, no causal mask).
+
+        q, k, v [T, H, hd] with the sequences of `step` packed -> out [T, H*hd]. The sequences are laid out padded
+        [S, H, Lmax, hd] for one batched matmul; padded keys are masked out (a length-bucketed batch pads little)."""
+        T, heads, hd = q.shape
+        lengths = step.counts
+        S, L = len(lengths), int(lengths.max()) if len(lengths) else 0
+        if T == 0:
+            return np.zeros((0, heads * hd), dtype=F32)
+        ragged = bool(np.any(lengths != L))
+        if ragged:                                            # [S, L] token index of each padded slot
+            index = np.minimum(step.offsets[:-1, None] + np.arange(L)[None, :], T - 1)
+            valid = np.arange(L)[None, :] < lengths[:, None]                         # [S, L]
+            q, k, v = q[index], k[index], v[index]                                 # [S, L, H, hd]
+        # contiguous 3-d copies, keys already transposed: a 4-d or transposed operand makes matmul 5-10x slower
+        q, v = (np.ascontiguousarray(a.reshape(S, L, heads, hd).transpose(0, 2, 1, 3)).reshape(S * heads, L, hd)
+                for a in (q, v))                                                   # [S*H, L, hd]
+        kt = np.ascontiguousarray(k.reshape(S, L, heads, hd).transpose(0, 2, 3, 1)).reshape(S * heads, hd, L)
+        q *= F32(scale)
+        scores = (q @ kt).reshape(S, heads, L, L)
+        if ragged:
+            scores += np.where(valid, F32(0), F32(-np.inf))[:, None, None, :]
+        probs = _softmax(scores).reshape(S * heads, L, L)
+        out = (probs @ v).reshape(S, heads, L, hd).transpose(0, 2, 1, 3)            # [S, L, H, hd]
+        out = out.reshape(S, L, heads * hd)
+        return out[valid] if ragged else out.reshape(T, heads * hd)
 
     # ---- mixture of experts (the gating and dispatch reference: backend/moe_ops.py) -----------------------
     def softmax(self, x):

@@ -6,6 +6,11 @@ the batch. With `[schedule] kv_offload_threshold` set and the cache larger than 
 do not move bytes at once; DeepSpeed Inference IV-C) keep only `capacity` slots on the device. A micro-batch's
 sequences are given slots before it is computed (`prepare`); when slots run out, the sequences used most recently,
 which a round-robin schedule needs last, go to the host store. Device bytes never exceed the threshold.
+
+With `[model] kv_cache = "int8" | "int4"` (a quant.kv.KVFormat), each k[i], v[i] is a QuantizedKV instead of a
+float32 array: the same [N, Hkv, Lmax, hd] rows held as packed values + fp16 scale and min per group
+(docs/quantization.md). Offload moves those quantized arrays as they are, and every byte count (threshold,
+metrics) is of the quantized form.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 
 from ..backend.ops import StepLayout
 from ..errors import ConfigError
+from ..quant.kv import KVFormat, QuantizedKV
 
 
 @dataclass(frozen=True)
@@ -24,15 +30,17 @@ class KVOffload:
     parity: int                  # layers with index % 2 == parity are offloadable here (node-local rank % 2)
 
 
-def kv_bytes_per_token(kv_heads: int, head_dim: int, layers: int) -> int:
-    return 2 * kv_heads * head_dim * layers * np.dtype(np.float32).itemsize
+def kv_bytes_per_token(kv_heads: int, head_dim: int, layers: int, kv_format: KVFormat | None = None) -> int:
+    row = head_dim * np.dtype(np.float32).itemsize if kv_format is None else kv_format.row_bytes(head_dim)
+    return 2 * kv_heads * row * layers
 
 
 def plan_offload(num_layers: int, first_layer: int, n_seqs: int, kv_heads: int, max_len: int, head_dim: int,
-                 offload: KVOffload | None, largest_micro_batch: int) -> tuple[set, int]:
+                 offload: KVOffload | None, largest_micro_batch: int,
+                 kv_format: KVFormat | None = None) -> tuple[set, int]:
     """(local layers kept in a pool of slots, pool capacity in sequences). Raises ConfigError when the threshold
     cannot hold one micro-batch. Used by the cache and, before any weight is read, by the runtime's checks."""
-    per_seq_layer = kv_bytes_per_token(kv_heads, head_dim, 1) * max_len
+    per_seq_layer = kv_bytes_per_token(kv_heads, head_dim, 1, kv_format) * max_len
     if offload is None or n_seqs * num_layers * per_seq_layer <= offload.threshold_bytes:
         return set(), n_seqs
     pooled = {i for i in range(num_layers) if (first_layer + i) % 2 == offload.parity}
@@ -55,14 +63,15 @@ def plan_offload(num_layers: int, first_layer: int, n_seqs: int, kv_heads: int, 
 
 class KVCache:
     def __init__(self, ops, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 offload: KVOffload | None = None, first_layer: int = 0, largest_micro_batch: int = 1):
-        self.ops, self.n_seqs, self.max_len = ops, slots, max_len
+                 offload: KVOffload | None = None, first_layer: int = 0, largest_micro_batch: int = 1,
+                 kv_format: KVFormat | None = None):
+        self.ops, self.n_seqs, self.max_len, self.kv_format = ops, slots, max_len, kv_format
         pooled, self.capacity = plan_offload(num_layers, first_layer, slots, kv_heads, max_len, head_dim, offload,
-                                             largest_micro_batch)
+                                             largest_micro_batch, kv_format)
         self.pooled = pooled                                      # local layer indices with `capacity` slots
         shape = lambda i: (self.capacity if i in pooled else slots, kv_heads, max_len, head_dim)
-        self.k = [ops.zeros(shape(i), np.float32) for i in range(num_layers)]
-        self.v = [ops.zeros(shape(i), np.float32) for i in range(num_layers)]
+        self.k = [self._zeros(shape(i)) for i in range(num_layers)]
+        self.v = [self._zeros(shape(i)) for i in range(num_layers)]
         self.host_k = {i: None for i in pooled}                   # host store, allocated on first eviction
         self.host_v = {i: None for i in pooled}
         self.slot_of = np.arange(slots) if not pooled else np.full(slots, -1, dtype=np.int64)
@@ -71,6 +80,11 @@ class KVCache:
         self.on_host: set[int] = set()
         self.bytes_to_host = self.bytes_to_device = 0
         self.peak_bytes = self.nbytes
+
+    def _zeros(self, shape):                                     # one layer's K or V: [N, Hkv, Lmax, hd] rows
+        if self.kv_format is None:
+            return self.ops.zeros(shape, np.float32)
+        return QuantizedKV.zeros(self.ops, self.kv_format, shape)
 
     @property
     def nbytes(self) -> int:
@@ -107,20 +121,32 @@ class KVCache:
         self.slot_of[seq] = slot
         if seq in self.on_host:
             for i in self.pooled:
-                self.k[i][slot] = self.ops.asarray(self.host_k[i][seq])
-                self.v[i][slot] = self.ops.asarray(self.host_v[i][seq])
+                self.k[i][slot] = _moved(self.host_k[i][seq], self.ops.asarray)
+                self.v[i][slot] = _moved(self.host_v[i][seq], self.ops.asarray)
                 self.bytes_to_device += int(self.k[i][slot].nbytes) * 2
 
     def _evict(self, seq: int) -> None:
         slot = int(self.slot_of[seq])
         for i in self.pooled:
             if self.host_k[i] is None:
-                self.host_k[i] = np.zeros((self.n_seqs, *self.k[i].shape[1:]), np.float32)
-                self.host_v[i] = np.zeros((self.n_seqs, *self.v[i].shape[1:]), np.float32)
-            self.host_k[i][seq] = self.ops.to_host(self.k[i][slot])
-            self.host_v[i][seq] = self.ops.to_host(self.v[i][slot])
+                self.host_k[i] = _host_zeros(self.k[i], self.n_seqs)
+                self.host_v[i] = _host_zeros(self.v[i], self.n_seqs)
+            self.host_k[i][seq] = _moved(self.k[i][slot], self.ops.to_host)
+            self.host_v[i][seq] = _moved(self.v[i][slot], self.ops.to_host)
             self.bytes_to_host += int(self.k[i][slot].nbytes) * 2
         self.on_host.add(seq)
         self.recent.remove(seq)
         self.slot_of[seq] = -1
         self.free.append(slot)
+
+
+def _host_zeros(like, n: int):
+    """A host store of n sequences shaped like one layer's device K or V (float32 array or QuantizedKV)."""
+    if isinstance(like, QuantizedKV):
+        return like.map(lambda a: np.zeros((n, *a.shape[1:]), a.dtype))
+    return np.zeros((n, *like.shape[1:]), np.float32)
+
+
+def _moved(rows, move):
+    """One sequence's rows (array or QuantizedKV) through `move` (ops.to_host / ops.asarray)."""
+    return rows.map(move) if isinstance(rows, QuantizedKV) else move(rows)

@@ -15,6 +15,7 @@ class Attention:
         self.kv_heads = arch.num_kv_heads // tp.size
         self.head_dim = arch.head_dim
         self.scale = 1.0 / math.sqrt(arch.head_dim)
+        self.topk = 0.0                                      # top-k sparse decode attention (Decoder.set_attention)
         self.qkv = ColumnParallelLinear(ops, tp, [f"{prefix}.{p}" for p in "qkv"],
                                         [arch.q_size, arch.kv_size, arch.kv_size], arch.qkv_bias, dtype)
         self.out = RowParallelLinear(ops, tp, f"{prefix}.o", arch.q_size, arch.out_bias, dtype)
@@ -32,5 +33,8 @@ class Attention:
             qk = self.ops.rotary(qk, *rope, self.arch.rotary_dim)
         q, k = qk[:, :self.heads], qk[:, self.heads:]
         v = qkv[:, k_end:].reshape(T, self.kv_heads, hd)
-        ctx = self.ops.attention(q, k, v, cache_k, cache_v, step, self.scale)   # [T, H hd]
+        if self.arch.causal:
+            ctx = self.ops.attention(q, k, v, cache_k, cache_v, step, self.scale, self.topk)   # [T, H hd]
+        else:                                                # an encoder: no cache, whole sequences
+            ctx = self.ops.bidirectional_attention(q, k, v, step, self.scale)
         return self.out(ctx)

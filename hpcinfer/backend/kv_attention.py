@@ -1,0 +1,156 @@
+"""NumPy attention over a quantized KV cache (quant/kv.py) and FlexGen's top-k sparse decode attention.
+
+`NumpyOps.attention` hands over here when the cache is a QuantizedKV or when a decode step asks for top-k.
+A quantized cache is never expanded whole: each call dequantizes only the rows it reads (the step's sequences,
+positions before the new tokens) into one float32 scratch buffer per rank that every layer and step reuses. As
+in FlexGen, the new tokens' own K and V enter the attention unquantized and are stored quantized afterwards.
+
+Top-k (decode only; prefill stays dense): per query head, scores against every cached key, then the
+ceil(topk * length) best positions are kept, softmax over those only, and only those V rows are read (and, for
+a quantized cache, dequantized). topk >= 1 is dense attention, computed by the dense code.
+
+Shape legend: S=sequences of the step, T=tokens, H=query heads, Hkv=KV heads, g=H/Hkv, hd=head dim,
+L=positions read, K=positions kept by top-k (the most of any sequence of the step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..quant.kv import QuantizedKV
+from .ops import StepLayout
+
+F32 = np.float32
+
+
+def scratch(ops, name: str, shape: tuple, dtype=F32) -> np.ndarray:
+    """A view of a per-ops buffer `name`, grown when too small and reused by every later call (never shrunk:
+    its size is one layer's rows at the longest step seen)."""
+    store = ops.__dict__.setdefault("_kv_scratch", {})
+    need = math.prod(shape)
+    buf = store.get(name)
+    if buf is None or buf.size < need or buf.dtype != np.dtype(dtype):
+        buf = store[name] = np.empty(max(need, 1), dtype=dtype)
+    return buf[:need].reshape(shape)
+
+
+def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
+    """As NumpyOps.attention: q [T, H, hd]; k, v [T, Hkv, hd]; caches [N, Hkv, Lmax, hd] (float arrays or
+    QuantizedKV) -> [T, H*hd]. Appends k, v to the cache."""
+    if step.is_decode:
+        return _decode(ops, q, k, v, cache_k, cache_v, step, scale, topk)
+    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
+    for s in range(step.num_seqs):
+        a, b = step.token_range(s)
+        slot, start = int(step.slots[s]), int(step.starts[s])
+        keys = _rows_with_new(ops, "k", cache_k, slot, start, k[a:b])             # [Hkv, start + n, hd]
+        values = _rows_with_new(ops, "v", cache_v, slot, start, v[a:b])
+        out[a:b] = ops._causal_attention(q[a:b], keys, values, start, scale)
+        cache_k[slot, :, start:start + b - a] = k[a:b].transpose(1, 0, 2)
+        cache_v[slot, :, start:start + b - a] = v[a:b].transpose(1, 0, 2)
+    return out
+
+
+def _rows_with_new(ops, name, cache, slot: int, start: int, new):
+    """One sequence's cached rows 0..start-1 (dequantized) followed by its new rows: [Hkv, start + n, hd]."""
+    n, kv_heads, hd = new.shape
+    if not isinstance(cache, QuantizedKV):
+        return np.concatenate([cache[slot, :, :start], new.transpose(1, 0, 2)], axis=1)
+    rows = scratch(ops, name, (kv_heads, start + n, hd))
+    if start:
+        cache.read((slot, slice(None), slice(0, start)), out=rows[:, :start],
+                   scratch=_nibbles(ops, cache, (kv_heads, start, hd)))
+    rows[:, start:] = new.transpose(1, 0, 2)
+    return rows
+
+
+def _nibbles(ops, cache, shape):
+    return scratch(ops, "nibbles", shape, np.uint8) if cache.fmt.bits == 4 else None
+
+
+def _gather(ops, name, cache, step: StepLayout, L: int, new=None):
+    """Rows 0..L-1 of the step's slots [S, Hkv, L, hd]: a view/gather of a float cache, or dequantized into the
+    scratch buffer `name`; `new` [S, Hkv, hd] (float) is put at each sequence's own position."""
+    slots, S = step.slots, step.num_seqs
+    if not isinstance(cache, QuantizedKV):
+        first = int(slots[0])
+        if np.array_equal(slots, np.arange(first, first + S)):
+            return cache[first:first + S, :, :L]                                   # a view: new rows are in
+        return cache[slots, :, :L]
+    _, kv_heads, _, hd = cache.shape
+    rows = scratch(ops, name, (S, kv_heads, L, hd))
+    cache.read((slots, slice(None), slice(0, L)), out=rows, scratch=_nibbles(ops, cache, (S, kv_heads, L, hd)))
+    if new is not None:
+        rows[np.arange(S), :, step.starts] = new                                   # unquantized, as FlexGen
+    return rows
+
+
+def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float):
+    """One new token per sequence: q [S, H, hd] -> [S, H*hd]."""
+    S, heads, hd = q.shape
+    quantized = isinstance(cache_k, QuantizedKV)
+    if not quantized:                                  # a float cache takes the new rows first (read back as is)
+        cache_k[step.slots, :, step.starts] = k
+        cache_v[step.slots, :, step.starts] = v
+    lengths = step.starts + 1                                                       # [S]
+    L = int(lengths.max())
+    keys = _gather(ops, "k", cache_k, step, L, k)                                   # [S, Hkv, L, hd]
+    kv_heads = keys.shape[1]
+    qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)               # [S, Hkv, g, hd]
+    scores = qg @ keys.transpose(0, 1, 3, 2)                                        # [S, Hkv, g, L]
+    if np.any(lengths < L):
+        scores += np.where(np.arange(L)[None, :] < lengths[:, None], F32(0), F32(-np.inf))[:, None, None, :]
+    if 0 < topk < 1:
+        out = _top_k_values(ops, scores, cache_v, v, step, lengths, topk)           # [S, Hkv, g, hd]
+    else:
+        out = _softmax(scores) @ _gather(ops, "v", cache_v, step, L, v)             # [S, Hkv, g, hd]
+    if quantized:
+        cache_k[step.slots, :, step.starts] = k
+        cache_v[step.slots, :, step.starts] = v
+    return out.reshape(S, heads * hd)
+
+
+def keep_counts(lengths, topk: float) -> np.ndarray:
+    """[S] positions kept per sequence: ceil(topk * length), at least 1."""
+    return np.maximum(1, np.ceil(np.asarray(lengths) * topk - 1e-9).astype(np.int64))
+
+
+def _top_k_values(ops, scores, cache_v, v, step: StepLayout, lengths, topk: float):
+    """scores [S, Hkv, g, L] (-inf past each length) -> softmax over each head's kept positions @ their V rows."""
+    S, kv_heads, group, L = scores.shape
+    keep = keep_counts(lengths, topk)                                               # [S]
+    K = int(keep.max())
+    idx = np.argpartition(-scores, K - 1, axis=-1)[..., :K]                          # [S, Hkv, g, K] top K, unordered
+    top = np.take_along_axis(scores, idx, axis=-1)
+    order = np.argsort(-top, axis=-1, kind="stable")                                # best first
+    idx, top = np.take_along_axis(idx, order, axis=-1), np.take_along_axis(top, order, axis=-1)
+    top = np.where((np.arange(K)[None, :] < keep[:, None])[:, None, None, :], top, F32(-np.inf))
+    probs = _softmax(top)                                                           # [S, Hkv, g, K]
+    rows = _value_rows(ops, cache_v, v, step, idx)                                  # [S, Hkv, g, K, hd]
+    return np.einsum("shgk,shgkd->shgd", probs, rows, optimize=True)
+
+
+def _value_rows(ops, cache_v, v, step: StepLayout, idx):
+    """The V rows at positions idx [S, Hkv, g, K] of each sequence and KV head -> [S, Hkv, g, K, hd]; for a
+    quantized cache only these rows are dequantized, and a sequence's own new position reads the new v."""
+    S, kv_heads = idx.shape[:2]
+    s_ix = np.arange(S)[:, None, None, None]
+    h_ix = np.arange(kv_heads)[None, :, None, None]
+    if not isinstance(cache_v, QuantizedKV):
+        return cache_v[step.slots[s_ix], h_ix, idx]
+    hd = cache_v.shape[3]
+    rows = scratch(ops, "v", (*idx.shape, hd))
+    cache_v.read((step.slots[s_ix], h_ix, idx), out=rows, scratch=_nibbles(ops, cache_v, (*idx.shape, hd)))
+    is_new = idx == step.starts[:, None, None, None]                                # [S, Hkv, g, K]
+    if np.any(is_new):
+        rows[is_new] = np.broadcast_to(v[:, :, None, None, :], rows.shape)[is_new]
+    return rows
+
+
+def _softmax(scores):
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
