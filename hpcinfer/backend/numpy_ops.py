@@ -10,7 +10,6 @@ S=sequences in the step, L=cached positions, N=cache slots.
 from __future__ import annotations
 
 import numpy as np
-from scipy.special import erf
 
 from . import moe_ops
 from .ops import StepLayout
@@ -96,13 +95,8 @@ class NumpyOps:
         return x * (1.0 / np.sqrt(ms + eps)).astype(F32) * weight
 
     def activation(self, x, kind: str):
-        if kind == "gelu":                       # 0.5 x (1 + erf(x / sqrt 2)), float32 throughout, one temporary
-            h = x * F32(np.sqrt(0.5))
-            erf(h, out=h)
-            h += F32(1)
-            h *= x
-            h *= F32(0.5)
-            return h
+        if kind == "gelu":                                   # 0.5 x (1 + erf(x / sqrt 2))
+            return F32(0.5) * x * (F32(1) + _erf(x * F32(np.sqrt(0.5))))
         if kind == "gelu_tanh":
             return 0.5 * x * (1.0 + np.tanh(F32(np.sqrt(2.0 / np.pi)) * (x + F32(0.044715) * x * x * x)))
         if kind == "relu":
@@ -263,6 +257,22 @@ def _causal_mask(start: int, n: int, length: int) -> np.ndarray:
     """[n, L]: 0 where token i (at position start + i) may attend to position j, -inf for the future."""
     future = np.arange(length)[None, :] > (start + np.arange(n))[:, None]
     return np.where(future, F32(-np.inf), F32(0))
+
+
+# Abramowitz & Stegun 7.1.26: |erf error| < 1.5e-7 (6e-7 in float32 arithmetic, measured), in float32 vector ops:
+# ~6x faster than scipy.special.erf, whose float32 loop is scalar and single-threaded (it dominated encoder GELUs).
+_ERF_P = F32(0.3275911)
+_ERF_A = tuple(F32(a) for a in (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592))
+
+
+def _erf(z: np.ndarray) -> np.ndarray:
+    a = np.minimum(np.abs(z), F32(4))       # erf(4) is 1 in float32; the cap keeps exp(-a^2) out of slow denormals
+    t = F32(1) / (F32(1) + _ERF_P * a)
+    poly = _ERF_A[0] * t
+    for coefficient in _ERF_A[1:]:
+        poly += coefficient
+        poly *= t
+    return np.copysign(F32(1) - poly * np.exp(-a * a), z)
 
 
 def _softmax(scores):
