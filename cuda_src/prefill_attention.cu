@@ -18,11 +18,16 @@
 // split the head dim for the output).
 // Preconditions (checked by the wrapper): H % Hkv == 0, H / Hkv <= NWARPS * ROWS_PER_WARP, hd <= MAX_HEAD_DIM,
 // starts[s] + count(s) <= Lmax.
-// Defines: T_STORAGE (cache), T_ACT (q, out), NWARPS (default 4), ROWS_PER_WARP (default 4), MAX_HEAD_DIM
+// CAUSAL=0 (encoders, NumpyOps.bidirectional_attention): every token attends all count(s) positions of its slot
+// (start + count keys; the wrapper packs the sequences' K and V into a scratch cache with kv_append first).
+// Defines: T_STORAGE (cache), T_ACT (q, out), CAUSAL (default 1), NWARPS (default 4), ROWS_PER_WARP (default 4), MAX_HEAD_DIM
 // (multiple of 32, default 128), KT (keys per tile, <= 32, default 32). Shared memory must stay <= 48 KiB
 // (checked at compile time): for hd 256 use e.g. ROWS_PER_WARP=2 KT=16.
 #include "common.cuh"
 
+#ifndef CAUSAL
+#define CAUSAL 1
+#endif
 #ifndef NWARPS
 #define NWARPS 4
 #endif
@@ -64,7 +69,11 @@ prefill_attention(const act_t* q, const storage_t* cache_k, const storage_t* cac
     const int nt = (int)min((long long)tpb, count - t0);
     const int nrows = nt * g;
     const long long start = starts[s], slot = slots[s];
+#if CAUSAL
     const long long n_keys = start + t0 + nt;     // the block's last token sees positions 0 .. n_keys - 1
+#else
+    const long long n_keys = start + count;       // every token sees its whole sequence
+#endif
     const storage_t* kc = cache_k + (slot * Hkv + kvh) * (long long)Lmax * hd;
     const storage_t* vc = cache_v + (slot * Hkv + kvh) * (long long)Lmax * hd;
 
@@ -104,7 +113,7 @@ prefill_attention(const act_t* q, const storage_t* cache_k, const storage_t* cac
             if (r < nrows) {
                 const long long qpos = start + t0 + r / g;
                 const long long key = kt + lane;
-                const bool valid = lane < KT && key <= qpos;
+                const bool valid = lane < KT && (CAUSAL ? key <= qpos : key < n_keys);
                 float score = NEG_INF;
                 if (valid) {
                     float dot = 0.0f;

@@ -55,7 +55,7 @@ VARIANTS: dict[str, list[dict]] = {
     "decode_attention": [{"MAX_HEAD_DIM": 256, "NWARPS": 2}, {"MAX_HEAD_DIM": 64, "MAX_GROUP": 16, "NWARPS": 8},
                          {"T_ACT": "float", "MAX_GROUP": 1}],
     "prefill_attention": [{"MAX_HEAD_DIM": 256, "ROWS_PER_WARP": 2, "KT": 16}, {"NWARPS": 8, "ROWS_PER_WARP": 2},
-                          {"T_ACT": "float", "KT": 8}],
+                          {"T_ACT": "float", "KT": 8}, {"CAUSAL": 0}],
     "sbi_gemv": [{"MAX_TOKENS": 4, "HAS_BIAS": 1, "ACT": 1}, {"MAX_TOKENS": 16, "WARPS": 8, "HAS_RESIDUAL": 1},
                  {"MAX_TOKENS": 8, "GATED": 1, "ACT": 4, "HAS_BIAS": 1, "ROWS": 2},
                  {"MAX_TOKENS": 2, "X_VEC": 0, "ACT": 2, "UNROLL": 8}, {"T_ACT": "float", "ACT": 3},
@@ -314,6 +314,32 @@ def test_emulated_attention(rng, storage, H, Hkv, hd, starts, counts, slots, def
     _close(out, ref, 2e-5 if storage == "float" else 2e-3)
     _close(cache_k.astype(F32), ref_k.astype(F32), 0)
     _close(cache_v.astype(F32), ref_v.astype(F32), 0)
+
+
+@pytest.mark.parametrize("H, Hkv, hd, counts", [(4, 4, 32, [7, 1, 12]), (6, 2, 40, [33, 5]), (8, 1, 32, [9])])
+@needs_emulator
+@pytest.mark.slow
+def test_emulated_bidirectional_attention(rng, H, Hkv, hd, counts):
+    """prefill_attention with CAUSAL=0 over a scratch cache filled by kv_append == the encoder's attention op."""
+    S, L = len(counts), max(counts)
+    step = StepLayout.build(np.arange(S), np.zeros(S), counts)
+    T = step.num_tokens
+    q, k, v = (rng.standard_normal((T, h, hd)).astype(F32) for h in (H, Hkv, Hkv))
+    scale = 1.0 / np.sqrt(hd)
+    ref = OPS.bidirectional_attention(q, np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1), step, scale)
+    cache_k, cache_v = (np.full((S, Hkv, L, hd), np.nan, dtype=F32) for _ in range(2))
+    zeros, slots = np.zeros(S, np.int64), np.arange(S, dtype=np.int64)
+    offsets = np.asarray(step.offsets, np.int64)
+    k_rows, v_rows = k.reshape(T, Hkv * hd), v.reshape(T, Hkv * hd)
+    emulate.build("kv_append", {"T_STORAGE": "float", "BLOCK": 64}).launch(
+        "kv_append", (L, S), (64,), k_rows, v_rows, cache_k, cache_v, slots, zeros, offsets, Hkv, hd, L, Hkv * hd,
+        Hkv * hd)
+    out = _poison((T, H * hd))
+    per_block = 16 // (H // Hkv)
+    emulate.build("prefill_attention", {"T_STORAGE": "float", "CAUSAL": 0}).launch(
+        "prefill_attention", (Hkv, -(-L // per_block), S), (32, 4), q.reshape(T, H * hd), cache_k, cache_v, slots,
+        zeros, offsets, out, H, Hkv, hd, L, H * hd, H * hd, scale)
+    _close(out, ref, 2e-5)
 
 
 GEMV_CASES = [

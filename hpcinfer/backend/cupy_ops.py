@@ -380,10 +380,21 @@ class CupyOps:
 
     # ---- encoder attention (no KV cache) ----------------------------------------------------------------------
     def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):
-        """As NumpyOps.bidirectional_attention, as plain CuPy array code. TODO kernel: the fused encoder regions
-        (masked bidirectional attention) are left for the CUDA issue. q, k, v [T, H, hd] -> [T, H*hd]."""
+        """As NumpyOps.bidirectional_attention. q [T, H, hd], k, v [T, Hkv, hd] -> [T, H*hd]. Kernels: kv_append
+        packs each sequence's K and V into a scratch cache [S, Hkv, L, hd], then prefill_attention.cu with
+        CAUSAL=0 (tiled online softmax, no [S, H, L, L] scores); CuPy array code where the kernels do not fit."""
         cp = self.xp
         T, heads, hd = q.shape
+        append = self._kernel("kv_append", "kv_append", BLOCK=128)
+        attend = self._kernel("prefill_attention", "prefill_attention", NWARPS=4, ROWS_PER_WARP=4,
+                              MAX_HEAD_DIM=128, KT=32, CAUSAL=0)
+        kv_heads = k.shape[1]
+        if (T and append is not None and attend is not None and q.dtype == k.dtype == v.dtype == F32 and
+                heads % kv_heads == 0 and heads // kv_heads <= 16 and hd <= 128):
+            S, L = step.num_seqs, int(step.counts.max())
+            packed = StepLayout.build(np.arange(S), np.zeros(S), step.counts)        # slot s, from position 0
+            cache_k, cache_v = (cp.empty((S, kv_heads, L, hd), dtype=F32) for _ in range(2))
+            return self._prefill_kernels(append, attend, q, k, v, cache_k, cache_v, packed, scale)
         lengths = step.counts
         S, L = len(lengths), int(lengths.max()) if len(lengths) else 0
         if T == 0:
