@@ -87,3 +87,39 @@ def run_cli(args, n=1, timeout=120, cwd=None, env=None):
     if n > 1:
         extra.setdefault("MPIEXEC_TIMEOUT", str(int(timeout) + MPIEXEC_GRACE_S))
     return run_command(cmd, timeout=timeout, env=clean_env(extra=extra), cwd=cwd)
+
+
+def write_token_prompts(path, lengths, vocab: int, seed: int = 7):
+    """A prompt file of random token ids, one prompt `p{i}` per length; returns the token lists."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+    Path(path).write_text("".join(json.dumps({"id": f"p{i}", "tokens": t}) + "\n" for i, t in enumerate(tokens)))
+    return tokens
+
+
+class CliJob:
+    """A test module's job: its checkpoint, prompts and config under `root`; `run` runs `hpcinfer run` with the
+    output and metrics in `out_dir` plus extra --set overrides (subclasses build the checkpoint and prompts)."""
+
+    def __init__(self, root, run_cli, cwd, ckpt, prompts, max_new: int, batch: int, extra: str = ""):
+        self.root, self._run_cli, self.cwd = Path(root), run_cli, cwd
+        self.ckpt, self.prompts = Path(ckpt), Path(prompts)
+        self.config = self.root / "job.toml"
+        self.config.write_text(
+            f'[model]\ncheckpoint = "{self.ckpt}"\n\n'
+            f'[generate]\nprompts = "{self.prompts}"\noutput = "unused.jsonl"\nmax_new_tokens = {max_new}\n'
+            f"batch_size = {batch}\n{extra}")
+
+    def overrides(self, out_dir, *extra) -> list:
+        return [f'generate.output="{Path(out_dir) / "output.jsonl"}"',
+                f'generate.metrics="{Path(out_dir) / "metrics.json"}"', *extra]
+
+    def run(self, out_dir, *extra, n=1, timeout=120, env=None, config=None):
+        args = ["run", str(config or self.config)]
+        for item in self.overrides(out_dir, *extra):
+            args += ["--set", item]
+        return self._run_cli(args, n=n, timeout=timeout, cwd=self.cwd, env=env)

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 import h5py  # noqa: E402
 
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
+from cli_helpers import CliJob, write_token_prompts  # noqa: E402
 from moe_models import write_dense_gpt, write_ds_moe, write_pr_moe  # noqa: E402
 
 PROMPT_LENGTHS = (3, 9, 1, 14, 6, 11, 4, 7)
@@ -30,34 +31,17 @@ ERROR = "hpcinfer: error"
 BAD_TIMEOUT = 60
 
 
-class Job:
-    """The module's checkpoints, prompts and config; `run` runs `hpcinfer run` with extra --set overrides."""
+class Job(CliJob):
+    """The module's Mixtral checkpoint, prompts and config."""
 
     def __init__(self, root: Path, run_cli, cwd: Path):
         from hf_models import save_tiny_model
 
-        self.root, self._run_cli, self.cwd = root, run_cli, cwd
-        self.ckpt = root / "mixtral.h5"
-        arch = convert_hf(save_tiny_model("mixtral", root / "hf"), str(self.ckpt))
+        ckpt = root / "mixtral.h5"
+        arch = convert_hf(save_tiny_model("mixtral", root / "hf"), str(ckpt))
         assert arch.moe_experts == (8, 8) and arch.moe_top_k == 2
-        rng = np.random.default_rng(7)
-        tokens = [rng.integers(0, arch.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
-        self.prompts = root / "prompts.jsonl"
-        self.prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": t}) + "\n"
-                                        for i, t in enumerate(tokens)))
-        self.config = root / "job.toml"
-        self.config.write_text(
-            f'[model]\ncheckpoint = "{self.ckpt}"\n\n'
-            f'[generate]\nprompts = "{self.prompts}"\noutput = "unused.jsonl"\nmax_new_tokens = {MAX_NEW}\n'
-            f"batch_size = {BATCH}\n")
-
-    def run(self, out_dir: Path, *overrides, n=1, timeout=120):
-        sets = [f'generate.output="{out_dir / "output.jsonl"}"', f'generate.metrics="{out_dir / "metrics.json"}"',
-                *overrides]
-        args = ["run", str(self.config)]
-        for item in sets:
-            args += ["--set", item]
-        return self._run_cli(args, n=n, timeout=timeout, cwd=self.cwd)
+        write_token_prompts(root / "prompts.jsonl", PROMPT_LENGTHS, arch.vocab_size)
+        super().__init__(root, run_cli, cwd, ckpt, root / "prompts.jsonl", MAX_NEW, BATCH)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 
 import h5py  # noqa: E402
 
+from cli_helpers import CliJob, write_token_prompts
 from hf_models import save_tiny_model
 from hpcinfer.api import generate, load_model  # noqa: E402
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
@@ -40,40 +41,21 @@ BAD_TIMEOUT = 60
 HOST = ["offload.weights_gpu=0", "offload.weights_cpu=100"]
 
 
-class Job:
-    """The module's checkpoint, prompts and config; `run` runs `hpcinfer run` with --set overrides."""
+class Job(CliJob):
+    """The module's 4-layer checkpoint (with more EOS ids), prompts and config; `plan` gives budget.plan_bytes."""
 
     def __init__(self, root: Path, run_cli, cwd: Path):
-        self.root, self._run_cli, self.cwd = root, run_cli, cwd
-        self.ckpt = root / "tiny4.h5"
-        self.arch = convert_hf(save_tiny_model("llama_mha", root / "hf", num_layers=LAYERS), str(self.ckpt))
+        ckpt = root / "tiny4.h5"
+        self.arch = convert_hf(save_tiny_model("llama_mha", root / "hf", num_layers=LAYERS), str(ckpt))
         assert self.arch.num_layers == LAYERS and self.arch.num_kv_heads == 4
-        rng = np.random.default_rng(7)
-        tokens = [rng.integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+        tokens = write_token_prompts(root / "prompts.jsonl", PROMPT_LENGTHS, VOCAB)
         # More EOS ids, from a greedy run in this process: prompt 1 stops at its 1st token, 2 at its 3rd, 5 at
         # its 4th; the other sequences run to MAX_NEW (as tests/test_pipeline_cli.py's eos_job).
-        greedy = generate(load_model(str(self.ckpt)), tokens, MAX_NEW)
+        greedy = generate(load_model(str(ckpt)), tokens, MAX_NEW)
         eos = set(self.arch.eos_token_ids) | {greedy[1][0], greedy[2][2], greedy[5][3]}
-        with h5py.File(self.ckpt, "r+") as f:
+        with h5py.File(ckpt, "r+") as f:
             f.attrs["eos_token_ids"] = np.asarray(sorted(eos), dtype=np.int64)
-        self.prompts = root / "prompts.jsonl"
-        self.prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": t}) + "\n"
-                                        for i, t in enumerate(tokens)))
-        self.config = root / "job.toml"
-        self.config.write_text(
-            f'[model]\ncheckpoint = "{self.ckpt}"\n\n'
-            f'[generate]\nprompts = "{self.prompts}"\noutput = "unused.jsonl"\nmax_new_tokens = {MAX_NEW}\n'
-            f"batch_size = {BATCH}\nignore_eos = false\n")
-
-    def overrides(self, out_dir: Path, *extra) -> list[str]:
-        return [f'generate.output="{out_dir / "output.jsonl"}"', f'generate.metrics="{out_dir / "metrics.json"}"',
-                *extra]
-
-    def run(self, out_dir: Path, *extra, n=1, timeout=120, config=None):
-        args = ["run", str(config or self.config)]
-        for item in self.overrides(out_dir, *extra):
-            args += ["--set", item]
-        return self._run_cli(args, n=n, timeout=timeout, cwd=self.cwd)
+        super().__init__(root, run_cli, cwd, ckpt, root / "prompts.jsonl", MAX_NEW, BATCH, "ignore_eos = false\n")
 
     def plan(self, *extra, tp=1) -> dict:
         """budget.plan_bytes of this job with these overrides (one rank's share)."""

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 import h5py  # noqa: E402
 
+from cli_helpers import CliJob, write_token_prompts
 from hf_models import save_tiny_model
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
 from hpcinfer.generate.kv_cache import kv_bytes_per_token  # noqa: E402
@@ -34,33 +35,16 @@ BAD_TIMEOUT = 60
 MESH_LINE = re.compile(r"rank (\d+) \(node (\d+)\): stage (\d+), dp replica (\d+), tp rank (\d+)")
 
 
-class Job:
-    """The module's checkpoint, prompts and config; `run` runs `hpcinfer run` with extra --set overrides."""
+class Job(CliJob):
+    """The module's 4-layer checkpoint, prompts and config."""
 
     def __init__(self, root: Path, run_cli, cwd: Path):
-        self.root, self._run_cli, self.cwd = root, run_cli, cwd
-        self.ckpt = root / "tiny4.h5"
-        arch = convert_hf(save_tiny_model("llama_mha", root / "hf", num_layers=LAYERS), str(self.ckpt))
+        ckpt = root / "tiny4.h5"
+        arch = convert_hf(save_tiny_model("llama_mha", root / "hf", num_layers=LAYERS), str(ckpt))
         assert (arch.num_layers, arch.num_kv_heads, arch.head_dim) == (LAYERS, KV_HEADS, HEAD_DIM)
         self.eos = tuple(arch.eos_token_ids)
-        rng = np.random.default_rng(7)
-        tokens = [rng.integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
-        self.prompts = root / "prompts.jsonl"
-        self.prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": t}) + "\n"
-                                        for i, t in enumerate(tokens)))
-        self.config = root / "job.toml"
-        self.config.write_text(
-            f'[model]\ncheckpoint = "{self.ckpt}"\n\n'
-            f'[generate]\nprompts = "{self.prompts}"\noutput = "unused.jsonl"\nmax_new_tokens = {MAX_NEW}\n'
-            f"batch_size = {BATCH}\nignore_eos = false\n")
-
-    def run(self, out_dir: Path, *overrides, n=1, timeout=120, env=None):
-        sets = [f'generate.output="{out_dir / "output.jsonl"}"', f'generate.metrics="{out_dir / "metrics.json"}"',
-                *overrides]
-        args = ["run", str(self.config)]
-        for item in sets:
-            args += ["--set", item]
-        return self._run_cli(args, n=n, timeout=timeout, cwd=self.cwd, env=env)
+        write_token_prompts(root / "prompts.jsonl", PROMPT_LENGTHS, VOCAB)
+        super().__init__(root, run_cli, cwd, ckpt, root / "prompts.jsonl", MAX_NEW, BATCH, "ignore_eos = false\n")
 
 
 @pytest.fixture(scope="module")
