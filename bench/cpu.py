@@ -24,7 +24,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")              # transformers' GGUF deq
 
 import numpy as np  # noqa: E402
 
-from hpcinfer.bench.common import (REPO, CpuMeter, agreement, busy_warning, git_commit,  # noqa: E402,F401
+from hpcinfer.bench.common import (CpuMeter, agreement, busy_warning, git_commit,  # noqa: E402
                                    loadavg, logger, machine_info, make_prompts, median, write_results)
 from hpcinfer.bench.hf_baseline import Transformers  # noqa: E402
 

@@ -31,8 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cpu import REPO, CpuMeter, git_commit, machine_info, make_prompts
-from bench.pipeline import wait_quiet
+from hpcinfer.bench.common import REPO, CpuMeter, git_commit, machine_info, make_prompts, wait_quiet
 
 MB = 1e6
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpcinfer.bench.common import (BUSY_WARN_CPUS, REPO, ChildCpuMeter, CpuMeter, agreement,  # noqa: F401
+from hpcinfer.bench.common import (BUSY_WARN_CPUS, REPO, ChildCpuMeter, agreement,
                                    busy_warning, git_commit, loadavg, logger, machine_info, make_prompts, median,
                                    wait_quiet, write_results)
 
@@ -189,7 +189,7 @@ def markdown(result: dict) -> str:
                      f"{100 * med['bubble_fraction']:.0f}% | {per_stage} | {busy} |")
     eq = result["vs_equal"]
     if eq:
-        lines += ["", f"Against pp=2 equal 2/2 (median of per-round ratios; > 1: better than equal):", "",
+        lines += ["", "Against pp=2 equal 2/2 (median of per-round ratios; > 1: better than equal):", "",
                   "| configuration | prompt phase speedup | ideal | gen phase speedup | per-token latency speedup | "
                   "throughput ratio |", "|---|---:|---:|---:|---:|---:|"]
         for name, r in eq.items():

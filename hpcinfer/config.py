@@ -225,22 +225,28 @@ class Config:
     embed: EmbedSection | None = None
 
 
-def load_config(path: str, overrides: list[str] = ()) -> Config:
-    """Read, override and validate. Raises ConfigError naming the file, the key and what is allowed."""
+def read_toml(path: str, what: str = "config file") -> dict:
+    """The TOML document at `path`; ConfigError naming `what` and the file on anything wrong (job configs,
+    hardware profiles and bench configs all read through here)."""
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"config file '{path}' does not exist") from None
+        raise ConfigError(f"{what} '{path}' does not exist") from None
     except OSError as exc:
-        raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror}") from None
+        raise ConfigError(f"{what} '{path}' cannot be read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
+        raise ConfigError(f"{what} '{path}' is not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
                           f"{exc.start}); TOML files are UTF-8") from None
     except (ValueError, RecursionError) as exc:        # tomllib: an integer over 4300 digits, arrays nested too deep
-        raise ConfigError(f"config file '{path}' is not valid TOML for hpcinfer: {_toml_limit(exc)}") from None
+        raise ConfigError(f"{what} '{path}' is not valid TOML for hpcinfer: {_toml_limit(exc)}") from None
+
+
+def load_config(path: str, overrides: list[str] = ()) -> Config:
+    """Read, override and validate. Raises ConfigError naming the file, the key and what is allowed."""
+    raw = read_toml(path)
     for item in overrides:
         _apply_override(raw, item)
     return _build(path, raw)

@@ -123,3 +123,25 @@ class CliJob:
         for item in self.overrides(out_dir, *extra):
             args += ["--set", item]
         return self._run_cli(args, n=n, timeout=timeout, cwd=self.cwd, env=env)
+
+
+def checkpoint_with_eos(ckpt, path, eos) -> Path:
+    """A copy of checkpoint `ckpt` at `path` whose eos_token_ids are `eos` (sequences then stop at those tokens)."""
+    import h5py
+    import numpy as np
+
+    path = Path(path)
+    path.write_bytes(Path(ckpt).read_bytes())
+    with h5py.File(path, "r+") as f:
+        f.attrs["eos_token_ids"] = np.asarray(sorted(eos), dtype=np.int64)
+    return path
+
+
+def cut_at_eos(records: list, eos) -> list:
+    """Output records as a run with these EOS ids writes them: each cut after its first EOS token, "stop"."""
+    expected = []
+    for r in records:
+        tokens = r["output_tokens"]
+        stop = next((k for k, t in enumerate(tokens) if t in eos), None)
+        expected.append(dict(r, output_tokens=tokens[:stop + 1], finish_reason="stop") if stop is not None else r)
+    return expected

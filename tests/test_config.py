@@ -247,3 +247,20 @@ def test_key_errors_name_file_key_and_what_is_allowed(write, changes, fragments)
     assert message.startswith(path), message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("reader, what", [("hpcinfer.offload.profile:load_profile", "profile file"),
+                                          ("hpcinfer.bench.suites:load_bench_config", "bench config"),
+                                          ("hpcinfer.config:load_config", "config file")])
+@pytest.mark.parametrize("content, fragment", [(b"a = 1\n\xff\n", "is not UTF-8 text"),
+                                               (b"a = " + b"9" * 5000 + b"\n", "is not valid TOML for hpcinfer"),
+                                               (b"a = [1,\n", "is not valid TOML")])
+def test_every_toml_reader_turns_bad_files_into_one_clear_error(tmp_path, reader, what, content, fragment):
+    import importlib
+
+    module, name = reader.split(":")
+    path = tmp_path / "bad.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        getattr(importlib.import_module(module), name)(str(path))
+    assert f"{what} '{path}'" in str(err.value) and fragment in str(err.value)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -21,7 +20,7 @@ pytest.importorskip("transformers")
 import h5py  # noqa: E402
 
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
-from cli_helpers import CliJob, write_token_prompts  # noqa: E402
+from cli_helpers import CliJob, checkpoint_with_eos, cut_at_eos, write_token_prompts  # noqa: E402
 from moe_models import write_dense_gpt, write_ds_moe, write_pr_moe  # noqa: E402
 
 PROMPT_LENGTHS = (3, 9, 1, 14, 6, 11, 4, 7)
@@ -93,15 +92,8 @@ def eos_job(job, reference):
     output records): the reference cut after the first EOS token of each sequence, finish_reason "stop"."""
     ref = [json.loads(line) for line in reference.splitlines()]
     eos = {2, ref[1]["output_tokens"][0], ref[2]["output_tokens"][2], ref[5]["output_tokens"][3]}
-    path = job.root / "mixtral-eos.h5"
-    path.write_bytes(job.ckpt.read_bytes())
-    with h5py.File(path, "r+") as f:
-        f.attrs["eos_token_ids"] = np.asarray(sorted(eos), dtype=np.int64)
-    expected = []
-    for r in ref:
-        tokens = r["output_tokens"]
-        stop = next((k for k, t in enumerate(tokens) if t in eos), None)
-        expected.append(dict(r, output_tokens=tokens[:stop + 1], finish_reason="stop") if stop is not None else r)
+    path = checkpoint_with_eos(job.ckpt, job.root / "mixtral-eos.h5", eos)
+    expected = cut_at_eos(ref, eos)
     lengths = [len(r["output_tokens"]) for r in expected]
     assert lengths[1] == 1 and lengths[2] <= 3 and lengths[5] <= 4, lengths
     return path, expected

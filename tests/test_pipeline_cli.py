@@ -13,15 +13,13 @@ import re
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import h5py  # noqa: E402
 
-from cli_helpers import CliJob, write_token_prompts
+from cli_helpers import CliJob, checkpoint_with_eos, cut_at_eos, write_token_prompts
 from hf_models import save_tiny_model
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
 from hpcinfer.generate.kv_cache import kv_bytes_per_token  # noqa: E402
@@ -195,15 +193,8 @@ def eos_job(job, reference):
     records): the reference cut after the first EOS token of each sequence, with finish_reason "stop"."""
     ref = records(reference[1])
     eos = set(job.eos) | {ref[1]["output_tokens"][0], ref[2]["output_tokens"][2], ref[5]["output_tokens"][3]}
-    path = job.root / "tiny4-eos.h5"
-    path.write_bytes(job.ckpt.read_bytes())
-    with h5py.File(path, "r+") as f:
-        f.attrs["eos_token_ids"] = np.asarray(sorted(eos), dtype=np.int64)
-    expected = []
-    for r in ref:
-        tokens = r["output_tokens"]
-        stop = next((k for k, t in enumerate(tokens) if t in eos), None)
-        expected.append(dict(r, output_tokens=tokens[:stop + 1], finish_reason="stop") if stop is not None else r)
+    path = checkpoint_with_eos(job.ckpt, job.root / "tiny4-eos.h5", eos)
+    expected = cut_at_eos(ref, eos)
     lengths = [len(r["output_tokens"]) for r in expected]
     assert lengths[1] == 1 and lengths[2] <= 3 and lengths[5] <= 4, lengths
     assert len(set(lengths)) >= 3 and "length" in {r["finish_reason"] for r in expected}, expected

@@ -331,10 +331,10 @@ class CupyOps:
 
     @staticmethod
     def _check_cache(cache_k, cache_v):
-        for cache in (cache_k, cache_v):
-            if cache.dtype != F32 or not cache.flags.c_contiguous:
-                raise ValueError(f"attention: the KV cache must be contiguous float32, got {cache.dtype} "
-                                 f"(contiguous: {cache.flags.c_contiguous})")
+        for array in (cache_k, cache_v):
+            if array.dtype != F32 or not array.flags.c_contiguous:
+                raise ValueError(f"attention: the KV cache must be contiguous float32, got {array.dtype} "
+                                 f"(contiguous: {array.flags.c_contiguous})")
 
     def _decode_indices(self, step: StepLayout, lmax: int):
         """(slots [S], starts [S] as device int64, positions read L): a DeviceStep's own buffers and bucket, or

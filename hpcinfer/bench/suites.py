@@ -8,9 +8,9 @@ offload suite.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field, replace
 
+from ..config import read_toml
 from ..errors import ConfigError
 
 
@@ -207,13 +207,7 @@ def _check_positions(path: str, where: str, suite: Suite) -> None:
 
 def load_bench_config(path: str, only: list[str] | None = None) -> BenchConfig:
     """Read and check a bench config; `only` keeps the named suites (--suite)."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"bench config '{path}' does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"bench config '{path}' is not valid TOML: {exc}") from None
+    raw = read_toml(path, "bench config")
     _only(path, "the file", raw, ("model", "run", "layout", "suite"))
     model = _model(path, "[model]", raw.get("model", {}), None)
     layouts = tuple(_layout(path, i, t) for i, t in enumerate(raw.get("layout", [{"name": "1 rank"}])))

@@ -4,8 +4,6 @@ holding those experts and back; PR-MoE adds a dense residual MLP mixed in by a l
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..backend.moe_ops import capacity_for
 from ..parallel.experts import ExpertStack
 from ..parallel.layers import Replicated

@@ -14,12 +14,11 @@ import shutil
 import socket
 import tempfile
 import time
-import tomllib
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import parse_bytes
+from ..config import parse_bytes, read_toml
 from ..errors import ConfigError
 from .policy import human_bytes
 
@@ -165,15 +164,7 @@ PRESETS: dict[str, HardwareProfile] = {
 
 def load_profile(path: str) -> HardwareProfile:
     """Read a profile TOML file; ConfigError naming the file and the key on anything wrong."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"profile file '{path}' does not exist") from None
-    except OSError as exc:
-        raise ConfigError(f"profile file '{path}' cannot be read: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"profile file '{path}' is not valid TOML: {exc}") from None
+    raw = read_toml(path, "profile file")
     fields = {f.name for f in dataclasses.fields(HardwareProfile)}
     for key in raw:
         if key not in fields:
