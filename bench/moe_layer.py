@@ -133,8 +133,8 @@ def counting(disp, tally: dict):
         saved = ex.group
         ex.group = SimpleNamespace(size=saved.size, rank=saved.rank, comm=CountingComm(saved.comm, tally))
     else:
-        saved = (ex.intra, ex.inter)
-        ex.intra, ex.inter = CountingComm(ex.intra, tally), CountingComm(ex.inter, tally)
+        saved = (ex.intra.comm, ex.inter.comm)
+        ex.intra.comm, ex.inter.comm = CountingComm(ex.intra.comm, tally), CountingComm(ex.inter.comm, tally)
     tp = saved_tp.inner if isinstance(saved_tp, TimedGroup) else saved_tp
     if isinstance(tp, MPIGroup):
         disp.tp = MPIGroup(CountingComm(tp.comm, tally), "tp")
@@ -144,7 +144,7 @@ def counting(disp, tally: dict):
         if isinstance(ex, FlatAllToAll):
             ex.group = saved
         else:
-            ex.intra, ex.inter = saved
+            ex.intra.comm, ex.inter.comm = saved
         disp.tp = saved_tp
 
 

@@ -119,8 +119,8 @@ def test_hierarchical_sub_communicators_are_nodes_and_local_columns(ranks_per_no
     """(G - 1) + (M - 1) peers: the node's G ranks, and the M ranks of the same local index."""
     with all_to_all("hierarchical", ranks_per_node) as (impl, group):
         g, r = ranks_per_node, group.rank
-        node_members = sorted(impl.intra.allgather(r))
-        column_members = sorted(impl.inter.allgather(r))
+        node_members = sorted(impl.intra.comm.allgather(r))
+        column_members = sorted(impl.inter.comm.allgather(r))
     assert node_members == [r // g * g + i for i in range(g)]
     assert column_members == [r % g + g * n for n in range(group.size // g)]
 

@@ -68,44 +68,60 @@ class HierarchicalAllToAll:
     it, ordered by source local index. Per-block counts matrices travel with each hop (Alltoall on the same
     sub-communicator), so every rank knows its block layout. Because the second hop orders its blocks by
     (source node, source local) = source rank, and every reordering is stable, rows arrive in the flat order:
-    the final layout transform is the identity. Sub-communicators come from `group.comm.Split` once; `close()`
-    frees them.
+    the final layout transform is the identity. Sub-communicators come from `group.comm.Split` once, each wrapped
+    in a hop that moves the rows (MpiHop: host memory; comm/nccl_group.NcclHop: device memory over NCCL);
+    `close()` frees them.
     """
 
-    def __init__(self, group, ranks_per_node: int):
+    def __init__(self, group, ranks_per_node: int, make_hop=None):
+        """make_hop(comm, members, what) -> the hop over one sub-communicator (`members`: its ranks in `group`);
+        default MpiHop (host memory). NcclGroup passes one that builds an NCCL communicator per hop."""
         size, g = group.size, int(ranks_per_node)
         if g < 1 or size % g:
             raise ValueError(f"hierarchical all-to-all: ranks_per_node = {ranks_per_node} must divide the "
                              f"group size {size}")
         self.group, self.G, self.M = group, g, size // g
+        make_hop = make_hop or (lambda comm, members, what: MpiHop(comm, _sub_watchdog(group, comm, members, what)))
         node, local = divmod(group.rank, g)
-        self.intra = group.comm.Split(color=node, key=local)    # the G ranks of this node; rank = local
-        self.inter = group.comm.Split(color=local, key=node)    # the M ranks with this local index; rank = node
-        self.watch_intra = _sub_watchdog(group, self.intra, [node * g + q for q in range(g)], "intra-node")
-        self.watch_inter = _sub_watchdog(group, self.inter, [n * g + local for n in range(self.M)], "inter-node")
+        self.intra = make_hop(group.comm.Split(color=node, key=local),          # the G ranks of this node
+                              [node * g + q for q in range(g)], "intra-node")
+        self.inter = make_hop(group.comm.Split(color=local, key=node),          # the M ranks with this local index
+                              [n * g + local for n in range(self.M)], "inter-node")
 
     def exchange(self, arrays, send_counts):
         counts = check_counts(arrays, send_counts, self.group.size).reshape(self.M, self.G)  # [M dest node, G dest local]
         # step 1 (intra-node): local transform to (dest local, dest node), send the dest-local block to that peer
         arrays = _transpose_blocks(arrays, counts)
-        by_local = np.ascontiguousarray(counts.T)                                # [G dest local, M dest node]
-        got1 = _alltoall_counts(self.intra, by_local, self.watch_intra)          # [G src local, M dest node]
-        arrays = [_alltoallv(self.intra, a, by_local.sum(1), got1.sum(1), self.watch_intra) for a in arrays]
+        arrays, got1 = self.intra.exchange_blocks(arrays, counts.T)             # got1 [G src local, M dest node]
         # step 2 (inter-node): local transform to (dest node, src local), send the dest-node block to that node
         arrays = _transpose_blocks(arrays, got1)
-        by_node = np.ascontiguousarray(got1.T)                                   # [M dest node, G src local]
-        got2 = _alltoall_counts(self.inter, by_node, self.watch_inter)           # [M src node, G src local]
-        arrays = [_alltoallv(self.inter, a, by_node.sum(1), got2.sum(1), self.watch_inter) for a in arrays]
+        arrays, got2 = self.inter.exchange_blocks(arrays, got1.T)               # got2 [M src node, G src local]
         return arrays, got2.reshape(-1)                                          # rows in source rank order
 
     def close(self) -> None:
-        for watch in (self.watch_intra, self.watch_inter):
-            if watch is not None:
-                watch.free()
-        for comm in (self.intra, self.inter):
-            if comm is not None:
-                comm.Free()
-        self.intra = self.inter = self.watch_intra = self.watch_inter = None
+        for hop in (self.intra, self.inter):
+            if hop is not None:
+                hop.free()
+        self.intra = self.inter = None
+
+
+class MpiHop:
+    """One direct exchange of row blocks over an mpi4py (sub-)communicator, in host memory: the block counts by
+    Alltoall, then one Alltoallv per array. `free()` frees the communicator and its watchdog."""
+
+    def __init__(self, comm, watch=None):
+        self.comm, self.watch = comm, watch
+
+    def exchange_blocks(self, arrays, by_peer):
+        """arrays: rows grouped by destination peer, then by block; by_peer int [P, K] rows per (peer, block) ->
+        (arrays received, grouped by source peer then block; got [P, K], row p from peer p)."""
+        got = _alltoall_counts(self.comm, by_peer, self.watch)
+        return [_alltoallv(self.comm, a, np.sum(by_peer, 1), got.sum(1), self.watch) for a in arrays], got
+
+    def free(self) -> None:
+        if self.watch is not None:
+            self.watch.free()
+        self.comm.Free()
 
 
 def _sub_watchdog(group, comm, members: list[int], what: str):
@@ -145,7 +161,14 @@ def _transpose_blocks(arrays, counts: np.ndarray):
     old = block_starts(counts.reshape(-1)).reshape(counts.shape).T.reshape(-1)       # [B*A] block starts, new order
     lens = counts.T.reshape(-1)                                                  # [B*A]
     index = np.repeat(old - block_starts(lens), lens) + np.arange(lens.sum())         # [N]
-    return [a[index] for a in arrays]
+    return [a[index] if isinstance(a, np.ndarray) else a[_device_index(a, index)] for a in arrays]
+
+
+def _device_index(a, index: np.ndarray):
+    """A host index array on the device of `a` (a cupy array: the NCCL hierarchical exchange)."""
+    import cupy
+
+    return cupy.asarray(index)
 
 
 def _alltoall_counts(comm, counts: np.ndarray, watch=None) -> np.ndarray:

@@ -11,8 +11,9 @@
   the MPIGroup, and back. Slower, but it lets several ranks share one GPU (NCCL refuses two ranks of one
   communicator on the same device) and needs no NCCL.
 - `NcclAllToAll` / `StagedAllToAll`: the `exchange(arrays, send_counts)` of comm/all_to_all.py over those groups.
-  Both groups offer `make_all_to_all(kind, ranks_per_node)`; comm/all_to_all.make_all_to_all must hand a group
-  that has it over to it (the MPI versions index host memory).
+  Both groups offer `make_all_to_all(kind, ranks_per_node)`, which comm/all_to_all.make_all_to_all hands
+  over to (the MPI versions index host memory). `NcclHop`: a hop of the two-hop hierarchical exchange over an
+  NCCL communicator of a sub-communicator.
 
 Everything here imports without cupy and without a GPU; building a group that needs one says what is missing.
 Shape legend: P=group size, N=rows sent, R=rows received, *s=trailing shape of a row.
@@ -223,9 +224,15 @@ class NcclGroup:
         return out
 
     def make_all_to_all(self, kind: str, ranks_per_node: int):
-        """The all-to-all(v) over this group. NCCL's grouped send/recv is direct (P - 1 messages); `kind`
-        "hierarchical" gives the same result by the same direct exchange (a two-hop NCCL version is left to do)."""
-        return NcclAllToAll(self)
+        """The all-to-all(v) over this group: "flat" is one NCCL group of direct sends and receives (P - 1
+        messages); "hierarchical" is comm/all_to_all.HierarchicalAllToAll with each hop over an NCCL communicator
+        of its own (the node's G ranks, then the M ranks of one local index: (G - 1) + (M - 1) messages)."""
+        from .all_to_all import HierarchicalAllToAll
+
+        if kind == "flat" or self.size == 1 or ranks_per_node in (1, self.size):
+            return NcclAllToAll(self)
+        return HierarchicalAllToAll(self, ranks_per_node, make_hop=lambda comm, _members, what: NcclHop(
+            NcclGroup(_SubGroup(comm, f"{self.name} {what}"))))
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _on_device(self, x) -> bool:
@@ -264,6 +271,12 @@ class NcclGroup:
         finally:
             self.nccl_lib.groupEnd()
 
+    def close(self) -> None:
+        """Destroy the NCCL communicator (a hop's, when its all-to-all closes); the MPI side is the caller's."""
+        if self.nccl is not None:
+            self.nccl.destroy()
+            self.nccl = None
+
     def __repr__(self):
         return f"NcclGroup({self.name}, rank {self.rank} of {self.size})"
 
@@ -298,26 +311,54 @@ class NcclAllToAll:
         self.group = group
 
     def exchange(self, arrays, send_counts):
-        group, cp = self.group, self.group.cp
-        counts = check_counts(arrays, send_counts, group.size)                     # [P]
-        recv_counts = np.empty_like(counts)
-        group.comm.Alltoall(counts, recv_counts)                                     # [P]
-        send_at, recv_at = block_starts(counts), block_starts(recv_counts)
-        out = []
-        for a in arrays:
-            on_host = not isinstance(a, cp.ndarray)
-            send = cp.ascontiguousarray(cp.asarray(a))                              # [N, *s]
-            recv = cp.empty((int(recv_counts.sum()), *send.shape[1:]), dtype=send.dtype)   # [R, *s]
-            transfers = []
-            for peer in range(group.size):
-                transfers.append(("send", send[send_at[peer]:send_at[peer] + counts[peer]], peer))
-                transfers.append(("recv", recv[recv_at[peer]:recv_at[peer] + recv_counts[peer]], peer))
-            group._grouped(transfers)
-            out.append(recv.get() if on_host else recv)
-        return out, recv_counts
+        counts = check_counts(arrays, send_counts, self.group.size)                # [P]
+        arrays, got = NcclHop(self.group).exchange_blocks(arrays, counts[:, None])   # one block per peer
+        return arrays, got[:, 0]
 
     def close(self) -> None:
         pass
+
+
+class NcclHop:
+    """One hop of the hierarchical all-to-all (comm/all_to_all.HierarchicalAllToAll) over an NcclGroup of a
+    sub-communicator: block counts [P, K] by MPI Alltoall, rows by one NCCL group of sends and receives."""
+
+    def __init__(self, group: NcclGroup):
+        self.group, self.comm = group, group.comm
+
+    def exchange_blocks(self, arrays, by_peer):
+        by_peer = np.ascontiguousarray(by_peer, dtype=np.int64)                   # [P, K]
+        got = np.empty_like(by_peer)
+        self.comm.Alltoall(by_peer, got)                                            # [P, K], row p from peer p
+        rows, recv_rows = by_peer.sum(1), got.sum(1)
+        return [_exchange_rows(self.group, a, rows, recv_rows) for a in arrays], got
+
+    def free(self) -> None:
+        self.group.close()
+        self.comm.Free()
+
+
+class _SubGroup:
+    """The MPI side of an NCCL hop: what NcclGroup reads from an MPIGroup (comm, size, rank, name)."""
+
+    def __init__(self, comm, name: str):
+        self.comm, self.name = comm, name
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+
+
+def _exchange_rows(group: NcclGroup, a, counts, recv_counts):
+    """Rows of a [N, *s] (host or device), counts[p] of them to peer p, -> [R, *s] received in peer order, in
+    the memory `a` came from (host arrays are staged through the device)."""
+    cp = group.cp
+    send_at, recv_at = block_starts(counts), block_starts(recv_counts)
+    send = cp.ascontiguousarray(cp.asarray(a))                                      # [N, *s]
+    recv = cp.empty((int(recv_counts.sum()), *send.shape[1:]), dtype=send.dtype)   # [R, *s]
+    transfers = []
+    for peer in range(group.size):
+        transfers.append(("send", send[send_at[peer]:send_at[peer] + counts[peer]], peer))
+        transfers.append(("recv", recv[recv_at[peer]:recv_at[peer] + recv_counts[peer]], peer))
+    group._grouped(transfers)
+    return recv if isinstance(a, cp.ndarray) else recv.get()
 
 
 # ------------------------------------------------------------------------------------ MPI through host memory

@@ -1,6 +1,8 @@
 """Point-to-point verbs between pipeline stages, named for what they do (over the pp group's CommGroup).
 
-A message is a small header dict and an optional array. Sends are non-blocking and complete in the background
+A message is a small header dict and an optional array, host or device: a device array goes to the group as it is
+(NcclGroup sends it from device memory and receives into device memory; StagedMPIGroup stages it through the host).
+Sends are non-blocking and complete in the background
 (a stage never waits for its successor to post a receive, so the schedule cannot deadlock on message sizes);
 `flush` waits for all of them before the buffers may go. Receives block: a stage waits only for its input.
 Every wait runs under the group's watchdog (comm/watchdog.py) where it has one: a stage whose peer never sends or
@@ -45,7 +47,8 @@ class StageLink:
         header = dict(header, payload=None if x is None else (tuple(x.shape), np.dtype(x.dtype).str))
         self.pending.append((self.pp.isend_object(header, dest, tag), None, dest))
         if x is not None:
-            x = np.ascontiguousarray(x)
+            if isinstance(x, np.ndarray):        # device arrays go as they are: the group moves them (NCCL, staged)
+                x = np.ascontiguousarray(x)
             self.pending.append((self.pp.isend_array(x, dest, tag), x, dest))
         self.pending = [(r, buf, d) for r, buf, d in self.pending if not r.Test()]
 

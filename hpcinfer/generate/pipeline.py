@@ -114,7 +114,7 @@ class _StageRunner:
         if self.stage.is_last:
             self._finish(header, out)
         else:
-            self.link.send_to_next_stage(header, self.model.ops.to_host(out))
+            self.link.send_to_next_stage(header, out)
             if header["phase"] == "prompt" and header["mb"] == len(self.prompt_groups) - 1:
                 self.prompt_phase_s = time.perf_counter() - self.start
 
@@ -149,7 +149,7 @@ class _StageRunner:
             if self.stage.is_last:
                 self._finish(header, out)
             else:
-                self.link.send_to_next_stage(header, self.model.ops.to_host(out))
+                self.link.send_to_next_stage(header, out)
                 if header["phase"] == "prompt" and header["mb"] == len(self.prompt_groups) - 1:
                     self.prompt_phase_s = time.perf_counter() - self.start
 
