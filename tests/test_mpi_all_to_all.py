@@ -161,3 +161,49 @@ def test_every_variant_on_8_ranks(tmp_path):
     for r, text in enumerate(reports):
         summary = text.strip().splitlines()[-1] if text.strip() else "(no output)"
         assert " passed" in summary and "failed" not in summary and "error" not in summary, f"rank {r}: {summary}"
+
+
+# ------------------------------------------------------------------- the NCCL hops, with MPI standing in for NCCL
+
+class LoopbackNccl:
+    """What NcclHop reads from an NcclGroup, with NumPy arrays as the "device" arrays and each NCCL group of
+    sends and receives done by MPI (Isend/Irecv of the bytes, in transfer order per peer: NCCL's own rule)."""
+
+    cp = np
+
+    def __init__(self, comm):
+        self.comm, self.size, self.rank = comm, comm.Get_size(), comm.Get_rank()
+
+    def _grouped(self, transfers):
+        from mpi4py import MPI
+
+        requests = [(self.comm.Isend if op == "send" else self.comm.Irecv)(buf.reshape(-1).view(np.uint8), peer)
+                    for op, buf, peer in transfers if buf.nbytes]
+        MPI.Request.Waitall(requests)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 4])
+def test_two_hop_exchange_over_nccl_hops_matches_flat(ranks_per_node):
+    """HierarchicalAllToAll with NcclHop hops (comm/nccl_group.py; MPI standing in for NCCL) delivers the rows
+    the flat MPI exchange does, in the same order."""
+    from hpcinfer.comm.nccl_group import NcclHop
+
+    group = MPIGroup(world())
+    if group.size % ranks_per_node:
+        pytest.skip(f"ranks_per_node = {ranks_per_node} does not divide {group.size} ranks")
+    p, r = group.size, group.rank
+    x, ids = concat([hand_rows(r, d) for d in range(p)])
+    counts = np.array([(r + d) % 3 for d in range(p)], dtype=np.int64)
+    hops = HierarchicalAllToAll(group, ranks_per_node, make_hop=lambda comm, _m, _w: NcclHop(LoopbackNccl(comm)))
+    try:
+        (got_x, got_ids), recv = hops.exchange([x, ids], counts)
+    finally:
+        hops.close()
+    (want_x, want_ids), want_recv = FlatAllToAll(group).exchange([x, ids], counts)
+    assert recv.tolist() == want_recv.tolist()
+    np.testing.assert_array_equal(got_x, want_x)
+    np.testing.assert_array_equal(got_ids, want_ids)
