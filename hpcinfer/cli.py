@@ -76,6 +76,10 @@ def _offload_parsers(sub) -> None:
                       help="plan for weights quantized at load ([model] quantize; a quantized checkpoint is "
                            "counted as stored): the quantized bytes are what moves")
     plan.add_argument("--quantize-group", type=int, default=64, help="int4 group size (default 64)")
+    plan.add_argument("--kv-cache", default="none", choices=["none", "int8", "int4"],
+                      help="plan for a quantized KV cache ([model] kv_cache): its bytes are what the cache holds "
+                           "and moves")
+    plan.add_argument("--kv-cache-group", type=int, default=64, help="KV cache group size (default 64)")
     plan.add_argument("--schedule", default="zigzag", choices=["zigzag", "row"],
                       help="zigzag (FlexGen's block schedule, default) or row (ZeRO-Inference)")
     plan.add_argument("--prefetch-layers", type=int, default=1, help="layers fetched ahead; 0 = no overlap")
@@ -279,15 +283,28 @@ def _plan(args) -> int:
     cpu = {"auto": None, "on": True, "off": False}[args.cpu_attention]
     fixed = _fixed_percentages(args.fix)
     quant_of = _plan_quant(args, arch)
+    kv = _plan_kv_format(args, arch)
     try:
         policy, best, candidates = search_policy(arch, args.prompt_len, args.gen_len, profile, args.max_latency,
                                                  cpu_attention=cpu, schedule=args.schedule,
                                                  prefetch_layers=args.prefetch_layers, dtype=dtype, fixed=fixed,
-                                                 quant_of=quant_of)
+                                                 quant_of=quant_of, kv_format=kv)
     except ValueError as exc:
         raise ConfigError(f"--fix: {exc}") from None
-    print(_plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of))
+    print(_plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of, kv))
     return 0
+
+
+def _plan_kv_format(args, arch):
+    """`--kv-cache` / `--kv-cache-group` as `[model] kv_cache` reads them: a quant.kv.KVFormat, or None."""
+    from .errors import ConfigError
+    from .quant.formats import QuantError
+    from .quant.kv import kv_format
+
+    try:
+        return kv_format(args.kv_cache, args.kv_cache_group, arch.head_dim)
+    except QuantError as exc:
+        raise ConfigError(f"--kv-cache-group {args.kv_cache_group}: {exc}") from None
 
 
 def _count(n: int) -> str:
@@ -327,16 +344,17 @@ def _plan_quant(args, arch):
     return quant_of(types.SimpleNamespace(arch=arch, load_quant=wanted))
 
 
-def _plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of=None) -> str:
+def _plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of=None, kv_format=None) -> str:
     from .offload.cost_model import TIERS, ModelSizes
     from .offload.policy import human_bytes
 
-    sizes = ModelSizes.of(arch, dtype, quant_of)
+    sizes = ModelSizes.of(arch, dtype, quant_of, kv_format)
     if args.quantize != "none":
         dtype = f"{dtype}, matrices {args.quantize}"
     lines = [
         f"# hpcinfer plan: {args.model} ({_count(arch.param_count())} parameters, {dtype}: "
-        f"{human_bytes(sizes.total_weight_bytes)} of weights) on {profile.name}",
+        f"{human_bytes(sizes.total_weight_bytes)} of weights"
+        + (f"; KV cache {kv_format.mode} g{kv_format.group}" if kv_format is not None else "") + f") on {profile.name}",
         f"# workload: prompt {args.prompt_len} + {args.gen_len} generated tokens per sequence"
         + (f", max latency {args.max_latency:g} s" if args.max_latency is not None else "")
         + (f"; fixed: {', '.join(args.fix)}" if args.fix else ""),

@@ -14,6 +14,7 @@ from .comm.mesh import MeshShape
 from .errors import ConfigError
 from .generate.commit import ResultWriter, generation_fingerprint
 from .generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+from .generate.graphs import check_model as check_graphs
 from .generate.kv_cache import KVOffload, plan_offload
 from .generate.output import write_metrics
 from .generate.prompts import load_prompts
@@ -22,7 +23,7 @@ from .generate.sampling import SamplingParams
 from .generate.schedule import micro_batches
 from .generate.tokenizer import TextTokenizer
 from .metrics import peak_rss_bytes, summarize
-from .offload.budget import check_budgets, predicted_vs_measured
+from .offload.budget import check_budgets, kv_format_of, predicted_vs_measured
 from .quant.storage import quant_of
 from .offload.zigzag import run_block_zigzag
 from .parallel.layout import check_experts, check_tensor_parallel
@@ -65,6 +66,7 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart
         stages = partition_layers(ckpt.arch, par.pp, config.path)
         MeshShape.for_world(world_size, par.tp, par.pp).check_nodes(ranks_per_node)
         check_experts(ckpt.arch, par.tp, par.pp, par.ep, par.expert_tp, world_size, config.path)
+        check_graphs(config, ckpt.arch, ops)
         if config.model.verify:              # each tensor's CRC-32, spread over the ranks (checkpoint/integrity.py)
             ckpt.verify(rank, world_size)
         tokenizer = TextTokenizer.from_checkpoint(ckpt)
@@ -115,31 +117,12 @@ def _open_results(config, prompts, tokenizer, restart: bool):
 
 
 def _check_quantization(config, ckpt, ops) -> None:
-    """`[model] quantize` against the checkpoint's own format; quantized weights run on the NumPy backend only."""
+    """`[model] quantize` against the checkpoint's own format (quantized weights run on both backends: NumpyOps
+    dequantizes tiles, CupyOps dequantizes in registers, backend/cupy_quant.py)."""
     from .quant.storage import configure
 
     configure(ckpt, config.model.quantize, config.model.quantize_group)
-    quantized = getattr(ckpt, "quantization", "none") != "none" or getattr(ckpt, "load_quant", None) is not None
-    if quantized and ops.name != "numpy":
-        raise ConfigError(f"{config.path}: quantized weights run on the numpy backend only so far; set "
-                          f"[runtime] backend = \"numpy\" or quantize = \"none\" with a float checkpoint")
-    kv_format_of(config, ckpt.arch)
-    topk = config.generate.attention_topk if config.generate is not None else 0.0
-    if (config.model.kv_cache != "none" or topk) and ops.name != "numpy":
-        raise ConfigError(f"{config.path}: model.kv_cache = {config.model.kv_cache!r} and generate.attention_topk "
-                          f"= {topk} are not yet on the CUDA backend; set [runtime] backend = \"numpy\" or turn "
-                          f"them off (kv_cache = \"none\", attention_topk = 0)")
-
-
-def kv_format_of(config, arch):
-    """`[model] kv_cache` and `kv_cache_group` for this model: a quant.kv.KVFormat, or None for a float cache."""
-    from .quant.formats import QuantError
-    from .quant.kv import kv_format
-
-    try:
-        return kv_format(config.model.kv_cache, config.model.kv_cache_group, arch.head_dim)
-    except QuantError as exc:
-        raise ConfigError(f"{config.path}: model.kv_cache_group = {config.model.kv_cache_group}: {exc}") from None
+    kv_format_of(config, ckpt.arch)          # a quantized KV cache and top-k run on both backends (cupy_kv.py)
 
 
 def _fetch_share(config, world_size: int, ranks_per_node: int) -> int:
@@ -163,7 +146,8 @@ def open_model_source(model_section):
 def schedule_params(config, local_rank: int = 0) -> ScheduleParams:
     sch, pp = config.schedule, config.parallel.pp
     offload = KVOffload(sch.kv_offload_bytes, local_rank % 2) if sch.kv_offload_bytes else None
-    return ScheduleParams(sch.prompt_micro_batches or pp, sch.gen_micro_batches or pp, offload)
+    return ScheduleParams(sch.prompt_micro_batches or pp, sch.gen_micro_batches or pp, offload,
+                          config.runtime.cuda_graphs)
 
 
 def _batches(n_prompts: int, batch_size: int) -> list[range]:

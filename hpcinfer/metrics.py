@@ -93,4 +93,8 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
             "offloaded_bytes_to_host": sum(r.times.kv_bytes_to_host for r in reports),
             "fetched_bytes_to_device": sum(r.times.kv_bytes_to_device for r in reports),
         },
+        "cuda_graphs": {                                  # [runtime] cuda_graphs (generate/graphs.py); 0 when off
+            "captures_per_rank": max(getattr(r.times, "graph_captures", 0) for r in reports),
+            "replays_per_rank": max(getattr(r.times, "graph_replays", 0) for r in reports),
+        },
     }

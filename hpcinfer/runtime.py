@@ -26,6 +26,7 @@ from .comm.pipeline import StageLink
 from .config import load_config
 from .errors import HpcinferError
 from .faults import Faults
+from .generate.graphs import check_comm as check_graphs_comm
 from .generate.progress import Progress
 from .generate.rounds import BatchRounds, StopFlag
 from .job import RankReport, generate_share, kv_format_of, prepare_job, write_outputs
@@ -205,6 +206,7 @@ def _compute_setup(world, config, pp: int, ranks_per_node: int):
     _print_mesh(world, mesh, threads)
     ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank))
     comm = agree(world, lambda: resolve_comm(config.runtime.comm, ops, world))
+    agree(world, lambda: check_graphs_comm(config, comm))         # [runtime] cuda_graphs with tp over MPI
     return mesh, threads, ops, _groups(config, mesh, device_group_factory(comm, ops))
 
 

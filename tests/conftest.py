@@ -34,6 +34,15 @@ def pytest_configure(config):
         config.option.basetemp = str(Path(tempfile.gettempdir()) / f"pytest-mpi-{os.getppid()}-rank{rank}")
 
 
+@pytest.fixture
+def emu_cupy(monkeypatch):
+    """The CPU stand-in for cupy (tests/emu_cupy.py), installed for one test: CupyOps(device=0) and
+    make_ops("cupy", 0) build on it, its kernels run on the emulator. Yields the fake module."""
+    import emu_cupy as emu
+
+    return emu.install(monkeypatch)
+
+
 def _with_mpi(config):
     try:
         return bool(config.getoption("--with-mpi"))

@@ -228,8 +228,8 @@ def test_config_keys_and_errors(tmp_path):
     bad = load_config(_config(tmp_path, f'kv_cache = "int8"\nkv_cache_group = {arch.head_dim - 1}'))
     with pytest.raises(ConfigError, match=f"model.kv_cache_group = {arch.head_dim - 1}: KV cache group"):
         kv_format_of(bad, arch)
-    with pytest.raises(ConfigError, match='not supported with offload.schedule = "zigzag"'):
-        load_config(_config(tmp_path, 'kv_cache = "int4"', offload='schedule = "zigzag"'))
+    zigzag = load_config(_config(tmp_path, 'kv_cache = "int4"', offload='schedule = "zigzag"'))   # moved quantized
+    assert (zigzag.model.kv_cache, zigzag.offload.schedule) == ("int4", "zigzag")
 
 
 # ------------------------------------------------------------------------------------- a whole tiny model
@@ -261,15 +261,15 @@ def test_tiny_model_generates_with_quantized_cache(llama):
     assert [len(t) for t in out] == [8] * 4
 
 
-def test_cuda_backend_refuses_kv_cache_and_topk(tmp_path):
+def test_cuda_backend_accepts_kv_cache_topk_and_quantized_weights(tmp_path):
+    """All run on the CuPy backend (backend/cupy_kv.py, cupy_quant.py); the config check refuses none."""
     from types import SimpleNamespace
 
     from hpcinfer.checkpoint.presets import open_preset
     from hpcinfer.job import _check_quantization
 
     cupy = SimpleNamespace(name="cupy")
-    for model, generate in (('kv_cache = "int8"', ""), ("", "attention_topk = 0.25")):
+    for model, generate in (('kv_cache = "int8"', ""), ("", "attention_topk = 0.25"), ('quantize = "int4"', "")):
         config = load_config(_config(tmp_path, model, generate))
-        with pytest.raises(ConfigError, match="not yet on the CUDA backend"):
-            _check_quantization(config, open_preset("tiny-dense"), cupy)
-        _check_quantization(config, open_preset("tiny-dense"), OPS)          # numpy: fine
+        _check_quantization(config, open_preset("tiny-dense"), cupy)
+        _check_quantization(config, open_preset("tiny-dense"), OPS)

@@ -59,9 +59,9 @@ def preset(name: str, layers: int | None = None) -> PresetSource:
     return PresetSource(f"{name}-{layers or arch.num_layers}", arch)
 
 
-def build(source: PresetSource, off: OffloadSection | None = None) -> Decoder:
+def build(source: PresetSource, off: OffloadSection | None = None, ops=None) -> Decoder:
     """The model as runtime._run builds it: tiers from [offload] (None when inactive), placed block by block."""
-    ops = NumpyOps()
+    ops = ops or NumpyOps()
     model = Decoder(ops, Groups(), source.arch, "float32")
     if off is not None:
         model.weights = _weight_tiers(types.SimpleNamespace(offload=off), model, ops, 0)
@@ -90,10 +90,14 @@ def offload(tmp_path: Path | None = None, **keys) -> OffloadSection:
     return off
 
 
-@pytest.fixture(scope="module")
-def prompts():
+def make_prompts() -> list:
     rng = np.random.default_rng(5)
     return [rng.integers(0, 256, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
 
 
 @pytest.fixture(scope="module")

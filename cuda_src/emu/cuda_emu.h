@@ -1,7 +1,9 @@
 // CPU emulation of the CUDA features the kernels of cuda_src/ use, so that their logic can be checked against the
 // NumPy ops with no GPU (hpcinfer/kernels/emulate.py builds a kernel file with g++ and this header forced in).
 //   - blocks run one after the other; each CUDA thread of a block is a fiber (ucontext) on the calling OS thread,
-//     switched at barriers only, so a run is deterministic and needs no locks;
+//     switched at barriers only, so a run is deterministic and needs no locks; a fiber is entered once with
+//     swapcontext, then switched with _setjmp/_longjmp, which save no signal mask (swapcontext's sigprocmask system
+//     call at every switch made half the run time, ~8x slower on barrier-heavy kernels);
 //   - __shared__ variables become static locals: one instance, shared by the threads of the running block;
 //   - __syncthreads is a barrier over the block; a warp shuffle writes the lane's value to a per-warp slot array
 //     between two barriers over the warp; a thread that returns leaves both barriers (as an exited GPU thread does);
@@ -10,6 +12,8 @@
 // Not a performance model and not a memory-model checker (the GPU run and compute-sanitizer are).
 // Needs the CUDA toolkit headers (cuda_fp16.h with crt/host_defines.h) for __half / __nv_bfloat16 on the host.
 #pragma once
+#undef _FORTIFY_SOURCE   // its longjmp check refuses a jump to another stack
+#include <setjmp.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <ucontext.h>
@@ -40,6 +44,8 @@ constexpr size_t kStack = 256 * 1024;   // per CUDA thread; the kernels keep a f
 
 struct Fiber {
     ucontext_t ctx;
+    jmp_buf jb;
+    bool started;
     uint3 tid;
     int linear;
     bool done;
@@ -53,6 +59,7 @@ struct Barrier {
 inline std::vector<Fiber> g_fibers;
 inline int g_cur = 0;
 inline ucontext_t g_scheduler;
+inline jmp_buf g_sched_jb;
 inline const std::function<void()>* g_fn = nullptr;
 inline Barrier g_block_barrier;
 inline std::vector<Barrier> g_warp_barriers;
@@ -61,7 +68,9 @@ inline long g_progress = 0;               // arrivals, releases and exits: a sch
 inline dim3 g_grid, g_blockdim;
 inline uint3 g_block;
 
-inline void yield() { swapcontext(&g_fibers[g_cur].ctx, &g_scheduler); }
+inline void yield() {
+    if (!_setjmp(g_fibers[g_cur].jb)) _longjmp(g_sched_jb, 1);
+}
 
 inline void arrive(Barrier& b) {
     const long gen = b.gen;
@@ -89,7 +98,8 @@ inline void fiber_main() {
     leave(g_block_barrier);
     f.done = true;
     ++g_progress;
-}   // returns to g_scheduler through uc_link
+    _longjmp(g_sched_jb, 1);   // never returns: the scheduler's frame of now, not the one of the first switch
+}
 
 inline void sync_block() { arrive(g_block_barrier); }
 
@@ -126,6 +136,7 @@ inline int launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
                     f.linear = i;
                     f.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
                     f.done = false;
+                    f.started = false;
                     getcontext(&f.ctx);
                     f.ctx.uc_stack.ss_sp = stacks.get() + (size_t)i * kStack;
                     f.ctx.uc_stack.ss_size = kStack;
@@ -137,7 +148,14 @@ inline int launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
                     for (int i = 0; i < n; ++i) {
                         if (g_fibers[i].done) continue;
                         g_cur = i;
-                        swapcontext(&g_scheduler, &g_fibers[i].ctx);
+                        if (!_setjmp(g_sched_jb)) {
+                            if (!g_fibers[i].started) {
+                                g_fibers[i].started = true;
+                                swapcontext(&g_scheduler, &g_fibers[i].ctx);
+                            } else {
+                                _longjmp(g_fibers[i].jb, 1);
+                            }
+                        }
                         if (g_fibers[i].done) --remaining;
                     }
                     if (remaining > 0 && g_progress == before) {

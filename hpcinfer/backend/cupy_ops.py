@@ -11,8 +11,8 @@ the kernel's preconditions; otherwise (and with `kernels=False`) it runs as plai
 the fallback and as a second reference: tests/test_cupy_ops.py holds both paths to NumpyOps. "TODO kernel" marks
 the ops with no kernel wired yet.
 
-Routing tables (`route`) stay on the host: parallel/moe_dispatch.py and parallel/experts.py index and sort them
-with NumPy. `permute`, `unpermute` and `scatter_add_rows` accept host or device index arrays.
+Routing tables (`route`) stay on the device (backend/cupy_moe.py); only the [E] per-expert counts come to the host.
+`permute`, `unpermute` and `scatter_add_rows` accept host or device index arrays.
 
 Shape legend: T=tokens (all sequences of a step, packed), D=hidden, H=query heads, Hkv=KV heads, hd=head dim,
 S=sequences in the step, L=cached positions read, N=cache slots, Lmax=cache length, E=experts, K=top-k, R=rows.
@@ -26,12 +26,11 @@ from functools import cache
 import numpy as np
 
 from ..errors import ConfigError
-from . import moe_ops
+from . import cupy_moe, cupy_quant, cupy_sbi, moe_ops
 from .ops import StepLayout
 
 F32 = np.float32
 BF16_BITS = np.dtype(np.uint16)          # device dtype of bfloat16 storage
-SBI_MAX_TOKENS = 16                      # linear(): tokens up to which the small-batch GEMV kernel is meant to run
 
 
 def _import_cupy():
@@ -82,6 +81,12 @@ class DeviceStep(StepLayout):
     slots_d: object = None       # [S] int64 device
     starts_d: object = None      # [S] int64 device
     kv_len: int = 0
+
+    @property
+    def positions(self):
+        """[S] int64 device: one new token per sequence, at its start (the model's rotary and learned-position
+        lookups then gather on the device from the graph's own buffer)."""
+        return self.starts_d
 
 
 class CupyOps:
@@ -147,13 +152,37 @@ class CupyOps:
 
     # ---- dense math --------------------------------------------------------------------------------------------
     def linear(self, x, w, bias=None):
-        """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out] float32, through cuBLAS.
-        TODO kernel: sbi_gemv for T <= SBI_MAX_TOKENS on a weight re-laid at load (needs a prepare-weight hook in
-        parallel/layers.py); half-precision weights are widened per call here, as NumpyOps does."""
+        """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out] float32. Kernel: sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS,
+        reading w [out, in] as stored (backend/cupy_sbi.py says why not a re-laid copy); else cuBLAS, with
+        half-precision weights widened per call, as NumpyOps does."""
+        y = cupy_sbi.fused_linear(self, x, w, bias)
+        if y is not None:
+            return y
         y = self.xp.matmul(self._f32(x), self._f32(w).T)
         if bias is not None:
             y += bias
         return y
+
+    def fused_linear(self, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
+        """act(norm(x) @ w.T + bias) (+ residual), the Deep-Fusion regions 1, 3 and 4 (NumpyOps.fused_linear).
+        Kernel: fused_norm_gemv.cu / sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS; else the ops in sequence."""
+        y = cupy_sbi.fused_linear(self, x, w, bias, norm, act, gated, residual)
+        return y if y is not None else cupy_sbi.unfused_linear(self, x, w, bias, norm, act, gated, residual)
+
+    def prepare_quantized(self, qt):
+        """A QuantizedTensor -> its device form (backend/cupy_quant.py: re-laid once for the kernels), for
+        linear_q / embedding_q. Layers call this once at load."""
+        return cupy_quant.to_device(qt, self.xp)
+
+    def linear_q(self, x, qt, bias=None):
+        """x [T, in] @ dequantize(qt)[out, in].T (+ bias) -> [T, out] float32 (NumpyOps.linear_q), qt as given by
+        prepare_quantized. Kernels: quant_gemv.cu for T <= 16 (dequantized in registers), else quant_dequant.cu
+        tiles + cuBLAS (backend/cupy_quant.py)."""
+        return cupy_quant.linear_q(self, x, qt, bias)
+
+    def embedding_q(self, qt, ids):
+        """Rows `ids` of a quantized table -> [T, D] float32 (NumpyOps.embedding_q). Kernel: quant_dequant.cu."""
+        return cupy_quant.embedding_q(self, qt, ids)
 
     def embedding(self, table, ids):
         """table [V, D], ids [T] (host or device ints) -> [T, D] float32. Kernel: embedding.cu."""
@@ -171,7 +200,7 @@ class CupyOps:
         return out
 
     def layer_norm(self, x, weight, bias, eps: float):
-        """Kernel: layer_norm.cu (TODO kernel: the fused norm + GEMV of Deep-Fusion regions 1 and 3)."""
+        """Kernel: layer_norm.cu (fused into the next GEMV by fused_linear for a few tokens)."""
         cp = self.xp
         has_bias = bias is not None
         fn = self._kernel("layer_norm", "layer_norm", BLOCK=256, HAS_BIAS=int(has_bias))
@@ -270,12 +299,13 @@ class CupyOps:
     def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd].
-        Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu."""
+        Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu. A QuantizedKV cache
+        and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py."""
         cp = self.xp
-        if topk or not isinstance(cache_k, cp.ndarray):
-            raise NotImplementedError("a quantized KV cache ([model] kv_cache) and top-k sparse attention "
-                                      "([generate] attention_topk) are not yet on the CUDA backend; use "
-                                      "[runtime] backend = \"numpy\"")
+        if topk or not isinstance(cache_k, cp.ndarray):          # a QuantizedKV cache, or top-k: cupy_kv.py
+            from . import cupy_kv
+
+            return cupy_kv.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         if step.num_tokens == 0:
             return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
         self._check_cache(cache_k, cache_v)
@@ -448,15 +478,13 @@ class CupyOps:
         return chosen, weights
 
     def route(self, experts, weights, num_experts: int, capacity):
-        """The routing tables, on the host (the dispatcher and the expert stack index them with NumPy): one copy
-        of T*K ids and weights to the host per MoE layer.  TODO kernel: moe_gating's scan and scatter, once the
-        dispatcher takes device tables."""
-        return moe_ops.route(self.to_host(experts), self.to_host(weights), num_experts, capacity)
+        """The routing tables, on the device (cupy_moe.DeviceRouting); one copy of the [E] counts to the host.
+        Kernel: moe_gating's moe_route."""
+        return cupy_moe.route(self, experts, weights, num_experts, capacity)
 
     def permute(self, x, routing):
-        """x [T, D] -> rows [R, D] grouped by expert (a gather: CuPy's take; moe_permute would need the row count on
-        the device, which a host Routing does not have)."""
-        return x[self.xp.asarray(routing.token_of_row)]
+        """x [T, D] -> rows [R, D] grouped by expert (a gather). Kernel: moe_permute."""
+        return cupy_moe.permute(self, x, routing)
 
     def unpermute(self, rows, routing, tokens: int):
         """rows [R, D] -> out [T, D]: per token, the sum over its kept choices (in choice order) of weight * row;
@@ -610,9 +638,10 @@ class DecodeGraph:
     shapes and dtypes at every call of one key) and `step` (a DeviceStep: its device slots/starts and kv_len are
     what attention reads; its host fields hold the capture-time values and must not steer the computation).
     Constraints (checked by CUDA at capture, where possible):
-    - no host <-> device copy, no host sync (`int(x)`, boolean masks, `.get()`, `cupy.asarray(numpy)`) inside;
-      model code that uploads per-step host data (today: RotaryTable's cos/sin, the embedding ids, logits'
-      last_token_index) must move that upload outside the captured region;
+    - no host <-> device copy, no host sync (`int(x)`, boolean masks, `.get()`, `cupy.asarray(numpy)`) inside:
+      the model reads the step's positions from `DeviceStep.positions` (device; rotary and learned positions
+      gather on the device), the token ids from `inputs`, and takes no last-token gather in a decode step
+      (generate/graphs.py drives it; tests/test_cuda_graphs.py checks it on the CPU fake of cupy);
     - the step must be idempotent for equal inputs: the first call runs it eagerly (a warm-up that compiles
       kernels and lets cuBLAS allocate), then captures, then replays, so the KV append happens twice at the same
       position with the same values;

@@ -74,7 +74,8 @@ class Routing:
     expert_of_row: np.ndarray     # [R] int64 expert of each routed row, rows sorted by expert (then token, then k)
     token_of_row: np.ndarray      # [R] int64 source token of each row
     weight_of_row: np.ndarray     # [R] float32 gate weight
-    expert_counts: np.ndarray     # [E] int64 rows per expert (after capacity)
+    expert_counts: np.ndarray     # [E] int64 rows per expert (after capacity); always on the host, where the other
+                                  # tables may be device arrays (cupy_moe.DeviceRouting): the dispatcher sizes from it
     slot: np.ndarray              # [T, K] int64 position of (token, choice) inside its expert's buffer, -1 if dropped
     row_of_choice: np.ndarray     # [T, K] int64 row of (token, choice) in routing order, -1 if dropped
 

@@ -45,6 +45,25 @@ class NumpyOps:
             y += bias
         return y
 
+    def fused_linear(self, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
+        """act(norm(x) @ w.T + bias) (+ residual): the Deep-Fusion regions as one call (backend/ops.py NormParams;
+        gated: act(gate) * up of a [T, 2F] gate/up product, as gated_activation). Here the unfused sequence of the
+        ops the model used to call one by one, so results are bit-identical to them; CupyOps runs it as one
+        kernel (cuda_src/fused_norm_gemv.cu, sbi_gemv.cu) for a few tokens."""
+        if norm is not None:
+            x = (self.rms_norm(x, norm.weight, norm.eps) if norm.kind == "rmsnorm" else
+                 self.layer_norm(x, norm.weight, norm.bias, norm.eps))
+        y = self.linear(x, w, bias)
+        if act is not None:
+            y = self.gated_activation(y, act) if gated else self.activation(y, act)
+        if residual is not None:           # a new array, as the model's `x + sublayer(x)` (y may be a transposed view)
+            y = residual + y
+        return y
+
+    def prepare_quantized(self, qt):
+        """A QuantizedTensor as linear_q / embedding_q take it: on the host, itself (CupyOps re-lays it)."""
+        return qt
+
     def linear_q(self, x, qt, bias=None):
         """x [T, in] @ dequantize(qt)[out, in].T (+ bias) -> [T, out] for a QuantizedTensor (quant/formats.py).
         The weight is dequantized QUANT_TILE output rows at a time into one reused float32 buffer per tile shape,

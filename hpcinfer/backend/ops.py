@@ -59,6 +59,16 @@ class StepLayout:
         return np.cumsum(self.counts) - 1
 
 
+@dataclass(frozen=True)
+class NormParams:
+    """A normalization for Ops.fused_linear to apply to its input: rms_norm or layer_norm with these values."""
+
+    kind: str                 # "rmsnorm" | "layernorm"
+    weight: object            # [in] float32
+    bias: object = None       # [in] float32 (layernorm only; None = no bias)
+    eps: float = 1e-5
+
+
 class Ops(Protocol):
     """What the model may ask of a backend. Arrays are the backend's own (numpy.ndarray, cupy.ndarray)."""
 
@@ -68,7 +78,12 @@ class Ops(Protocol):
     def to_host(self, array) -> np.ndarray: ...
     def zeros(self, shape, dtype=np.float32): ...
     def linear(self, x, w, bias=None): ...                 # x [T, in], w [out, in] -> [T, out]
+    def fused_linear(self, x, w, bias=None, norm: NormParams | None = None, act: str | None = None,
+                     gated: bool = False, residual=None): ...   # act(norm(x) @ w.T + bias) + residual
     def embedding(self, table, ids): ...
+    def prepare_quantized(self, qt): ...                    # QuantizedTensor -> the form linear_q reads
+    def linear_q(self, x, qt, bias=None): ...               # x [T, in], qt quantized [out, in] -> [T, out]
+    def embedding_q(self, qt, ids): ...
     def layer_norm(self, x, weight, bias, eps: float): ...
     def rms_norm(self, x, weight, eps: float): ...
     def activation(self, x, kind: str): ...

@@ -26,6 +26,7 @@ class ScheduleParams:
     prompt_micro_batches: int = 1    # micro-batches of the prompt phase (capped at the batch's sequences)
     gen_micro_batches: int = 1       # micro-batches of the token phase (the batch is re-grouped in between)
     kv_offload: KVOffload | None = None
+    cuda_graphs: bool = False        # decode steps through CUDA graphs on the cupy backend (generate/graphs.py)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class StepTimes:
     weights_peak_device_bytes: int = 0     # offloaded weights: resident + streamed layers at the peak
     weights_bytes_from_host: int = 0
     weights_bytes_from_disk: int = 0
+    graph_captures: int = 0      # [runtime] cuda_graphs: decode graphs captured (one per batch and key)
+    graph_replays: int = 0       # decode steps run from a captured graph
 
 
 def generate_batch(model, prompts: list, indices: list, params: GenerationParams, times: StepTimes,

@@ -17,6 +17,7 @@ import numpy as np
 from ..backend.ops import StepLayout
 from ..comm.mappings import broadcast_from_tp_root
 from .engine import GenerationParams, ScheduleParams, Sequence, StepTimes, record_token
+from .graphs import decode_graphs, stage_step
 from .kv_cache import KVCache
 from .sampling import sample, sequence_rng
 from .schedule import gen_ready_order, micro_batches
@@ -39,8 +40,9 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
                     max((s.capacity for s in seqs), default=1), arch.head_dim, schedule.kv_offload,
                     stage.first_layer, max(max(len(g) for g in prompt_groups + gen_groups), 1),
                     kv_format=model.kv_format)
+    graphs = decode_graphs(model, cache, schedule.cuda_graphs)       # None: every step eager
     runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits,
-                          lockstep)
+                          lockstep, graphs)
     start = time.perf_counter()
     if stage.is_first:
         runner.drive()
@@ -53,6 +55,10 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
     times.kv_bytes_to_host += cache.bytes_to_host
     times.kv_bytes_to_device += cache.bytes_to_device
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.peak_bytes)
+    if graphs is not None:
+        times.graph_captures += graphs.captures
+        times.graph_replays += graphs.replays
+        graphs.close()
     if stage.is_last:
         times.prompt_tokens += sum(len(s.prompt) for s in seqs)
         times.generated_tokens += sum(len(s.generated) for s in seqs)
@@ -62,8 +68,9 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
 
 class _StageRunner:
     def __init__(self, model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits=None,
-                 lockstep=None):
+                 lockstep=None, graphs=None):
         self.model, self.link, self.cache, self.seqs = model, link, cache, seqs
+        self.graphs = graphs                                # generate/graphs.DecodeGraphs, or None
         self.prompt_logits = prompt_logits                  # optional {prompt index: logits [V]} (last stage)
         self.params, self.times = params, times
         self.prompt_groups, self.gen_groups = prompt_groups, gen_groups
@@ -110,7 +117,7 @@ class _StageRunner:
 
     def _submit(self, header: dict, tokens: np.ndarray) -> None:
         step = StepLayout.build(header["seqs"], header["starts"], header["counts"])
-        out = self._compute(step, lambda: self.model.embed_tokens(tokens, step))
+        out = self._compute(step, {"tokens": tokens})
         if self.stage.is_last:
             self._finish(header, out)
         else:
@@ -145,7 +152,7 @@ class _StageRunner:
                     self.link.send_to_next_stage(header)
                 return
             step = StepLayout.build(header["seqs"], header["starts"], header["counts"])
-            out = self._compute(step, lambda: self.model.ops.asarray(x))
+            out = self._compute(step, {"x": x})
             if self.stage.is_last:
                 self._finish(header, out)
             else:
@@ -154,12 +161,15 @@ class _StageRunner:
                     self.prompt_phase_s = time.perf_counter() - self.start
 
     # ---- every stage -----------------------------------------------------------------------------------------
-    def _compute(self, step: StepLayout, first_input):
-        """This stage's share of one step: [embedding], its layers, [final norm + LM head -> logits [S, V]]."""
+    def _compute(self, step: StepLayout, inputs: dict):
+        """This stage's share of one step: [embedding], its layers, [final norm + LM head -> logits [S, V]]
+        (graphs.stage_step); a decode step replays its CUDA graph when [runtime] cuda_graphs is on."""
         t0 = time.perf_counter()
         self.cache.prepare(step.slots)
-        x = self.model.run_layers(first_input(), step, self.cache)                 # [T, D]
-        out = self.model.ops.to_host(self.model.logits(x, step)) if self.stage.is_last else x
+        graphed = self.graphs is not None and self.graphs.applies(step)
+        out = self.graphs(step, inputs) if graphed else stage_step(self.model, self.cache, inputs, step)
+        if self.stage.is_last:
+            out = self.model.ops.to_host(out)                                       # logits [S, V]
         self.times.busy_s += time.perf_counter() - t0
         self.cache.peak_bytes = max(self.cache.peak_bytes, self.cache.nbytes)
         return out

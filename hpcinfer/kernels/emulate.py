@@ -4,7 +4,8 @@
 turn, one fiber per CUDA thread, barriers for __syncthreads and warp shuffles) into a shared library, cached
 under build/kernel-emu/ by a hash of the sources, defines and flags; `module.launch(function, grid, block, *args)`
 runs one kernel. Arguments follow the kernel's C signature, read from the source: NumPy arrays (or None, a null
-pointer) for pointers, Python numbers for scalars.
+pointer) for pointers, Python numbers for scalars. `build_source(code, defines)` does the same for a source text
+(what tests/emu_cupy.py, a CPU stand-in for cupy, gets from cupy.RawModule and ElementwiseKernel).
 
 This checks indexing, reductions, masking, tails and the epilogues; it says nothing about speed, and it is no
 memory-model checker (a missing __syncthreads can pass here): the GPU parity tests and compute-sanitizer are the
@@ -60,7 +61,11 @@ def unavailable() -> str | None:
 
 def signatures(name: str) -> dict[str, list[tuple[str, str]]]:
     """{kernel: [(C type, parameter name), ...]} of the extern "C" kernels of cuda_src/{name}.cu."""
-    text = (CUDA_SRC / f"{name}.cu").read_text()
+    return source_signatures((CUDA_SRC / f"{name}.cu").read_text())
+
+
+def source_signatures(text: str) -> dict[str, list[tuple[str, str]]]:
+    """{kernel: [(C type, parameter name), ...]} of the extern "C" kernels of a CUDA source text."""
     found = {}
     for function, params in _SIGNATURE.findall(text):
         typed = []
@@ -120,15 +125,31 @@ _modules: dict = {}
 
 def build(name: str, defines: dict | None = None) -> EmulatedModule:
     """cuda_src/{name}.cu with `defines`, compiled for the CPU emulator (cached on disk and in this process)."""
+    sources = [CUDA_SRC / f"{name}.cu", EMU_HEADER, *sorted(CUDA_SRC.glob("*.cuh"))]
+    return _build(name, f'#include "{name}.cu"\n', signatures(name), define_options(defines),
+                  [p.read_text() for p in sources])
+
+
+def build_source(code: str, defines: dict | None = None, label: str = "source",
+                 options: list[str] | tuple[str, ...] = ()) -> EmulatedModule:
+    """A CUDA source text (local includes inlined, as loader.kernel_source gives it, or self-contained) compiled
+    for the CPU emulator with `defines` and extra -D `options` (cached like build). tests/emu_cupy.py compiles
+    what cupy.RawModule and cupy.ElementwiseKernel are given through this."""
+    options = [*define_options(defines), *options]
+    bad = [o for o in options if not o.startswith("-D")]
+    if bad:
+        raise ValueError(f"build_source: only -D options, got {bad}")
+    return _build(label, code + "\n", source_signatures(code), options,
+                  [EMU_HEADER.read_text(), *(p.read_text() for p in sorted(CUDA_SRC.glob("*.cuh")))])
+
+
+def _build(label: str, prelude: str, sigs, options: list[str], source_texts: list[str]) -> EmulatedModule:
     reason = unavailable()
     if reason:
         raise RuntimeError(f"cannot emulate kernels: {reason}")
-    sigs = signatures(name)
-    code = f'#include "{name}.cu"\n\n{_launchers(sigs)}'
-    options = define_options(defines)
-    sources = [CUDA_SRC / f"{name}.cu", EMU_HEADER, *sorted(CUDA_SRC.glob("*.cuh"))]
-    digest = hashlib.sha256("\0".join([code, *options, *FLAGS, *(p.read_text() for p in sources)]).encode())
-    key = f"{name}-{digest.hexdigest()[:20]}"
+    code = f"{prelude}\n{_launchers(sigs)}"
+    digest = hashlib.sha256("\0".join([code, *options, *FLAGS, *source_texts]).encode())
+    key = f"{label}-{digest.hexdigest()[:20]}"
     module = _modules.get(key)
     if module is not None:
         return module
@@ -142,7 +163,7 @@ def build(name: str, defines: dict | None = None) -> EmulatedModule:
                str(cpp), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"emulator build of {name}.cu failed:\n{' '.join(cmd)}\n{proc.stderr[-8000:]}")
+            raise RuntimeError(f"emulator build of {label} failed:\n{' '.join(cmd)}\n{proc.stderr[-8000:]}")
         tmp.replace(library)   # atomic: a concurrent build of the same key is harmless
     module = EmulatedModule(ctypes.CDLL(str(library)), sigs, library)
     _modules[key] = module

@@ -34,9 +34,13 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "rotary": ("rotary",),
     "kv_append": ("kv_append",),
     "decode_attention": ("decode_attention",),
+    "decode_attention_quant": ("decode_attention_quant",),
+    "kv_quant": ("kv_quantize_append", "kv_dequantize_rows"),
     "prefill_attention": ("prefill_attention",),
     "sbi_gemv": ("sbi_gemv", "sbi_gemv_reduce"),
     "fused_norm_gemv": ("fused_norm_gemv", "fused_norm_gemv_reduce"),
+    "quant_gemv": ("quant_gemv", "quant_gemv_reduce"),
+    "quant_dequant": ("quant_dequant",),
     "moe_gating": ("moe_topk_gating", "moe_route", "moe_gate_dispatch", "moe_permute", "moe_unpermute"),
 }
 

@@ -24,9 +24,10 @@ class Attention:
         self.qkv.load(ckpt)
         self.out.load(ckpt)
 
-    def __call__(self, x, step, cache_k, cache_v, rope):     # x [T, D] -> [T, D]
+    def __call__(self, x, step, cache_k, cache_v, rope, norm=None, residual=None):   # x [T, D] -> [T, D]
+        """attn(norm(x)) (+ residual): norm and residual run inside the QKV and output projections."""
         T, hd = x.shape[0], self.head_dim
-        qkv = self.qkv(x)                                    # [T, (H + 2 Hkv) hd]
+        qkv = self.qkv(x, norm)                              # [T, (H + 2 Hkv) hd]
         k_end = (self.heads + self.kv_heads) * hd
         qk = qkv[:, :k_end].reshape(T, self.heads + self.kv_heads, hd)
         if rope is not None:                                 # q and k heads rotate together, in one call
@@ -37,4 +38,4 @@ class Attention:
             ctx = self.ops.attention(q, k, v, cache_k, cache_v, step, self.scale, self.topk)   # [T, H hd]
         else:                                                # an encoder: no cache, whole sequences
             ctx = self.ops.bidirectional_attention(q, k, v, step, self.scale)
-        return self.out(ctx)
+        return self.out(ctx, residual)

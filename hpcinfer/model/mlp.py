@@ -19,7 +19,6 @@ class MLP:
         self.up.load(ckpt)
         self.down.load(ckpt)
 
-    def __call__(self, x):                                   # x [T, D] -> [T, D]
-        h = self.up(x)                                       # [T, Fl] or [T, 2 Fl] (gate half first)
-        h = self.ops.gated_activation(h, self.activation) if self.gated else self.ops.activation(h, self.activation)
-        return self.down(h)
+    def __call__(self, x, norm=None, residual=None):         # x [T, D] -> [T, D]: mlp(norm(x)) (+ residual)
+        h = self.up(x, norm, act=self.activation, gated=self.gated)   # [T, Fl]: act(up), or act(gate) * up
+        return self.down(h, residual)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..backend.ops import NormParams
 from ..parallel.layers import Replicated
 
 
@@ -15,6 +16,11 @@ class Norm:
         self.weight.load(ckpt)
         if self.bias is not None:
             self.bias.load(ckpt)
+
+    @property
+    def params(self) -> NormParams:
+        """This norm for Ops.fused_linear to apply inside the next matmul."""
+        return NormParams(self.kind, self.weight.value, None if self.bias is None else self.bias.value, self.eps)
 
     def __call__(self, x):                                   # x [T, D] -> [T, D]
         if self.kind == "rmsnorm":

@@ -35,10 +35,13 @@ class Block:
         if self.post_norm:                                   # BERT: the norm after each residual sum
             h = self.attn_norm(x + self.attn(x, step, cache_k, cache_v, rope))
             return self.mlp_norm(h + self.mlp(h))
-        if self.parallel_residual:                           # GPT-NeoX: both branches read x
-            return x + self.attn(self.attn_norm(x), step, cache_k, cache_v, rope) + self.mlp(self.mlp_norm(x))
-        h = x + self.attn(self.attn_norm(x), step, cache_k, cache_v, rope)
-        return h + self.mlp(self.mlp_norm(h))
+        # Deep-Fusion: each norm runs inside the projection after it and each residual add in the epilogue of the
+        # projection before it (one kernel each on the GPU for a few tokens; the same ops in sequence on NumPy).
+        h = self.attn(x, step, cache_k, cache_v, rope, norm=self.attn_norm, residual=x)   # x + attn(attn_norm(x))
+        y = x if self.parallel_residual else h               # GPT-NeoX: both branches read x
+        if isinstance(self.mlp, MoE):                        # no fused entry: norm, experts, add
+            return h + self.mlp(self.mlp_norm(y))
+        return self.mlp(y, norm=self.mlp_norm, residual=h)   # h + mlp(mlp_norm(y))
 
 
 class Decoder:
@@ -95,7 +98,7 @@ class Decoder:
                 after_block(i)
         return self
 
-    def embed_tokens(self, tokens: np.ndarray, step):      # tokens [T] host ints -> x [T, D]
+    def embed_tokens(self, tokens: np.ndarray, step):      # tokens [T] host or backend ints -> x [T, D]
         x = self.embed.embed(tokens)
         if self.positions is not None:
             x += self.positions.value[step.positions]
@@ -118,7 +121,7 @@ class Decoder:
         return x
 
     def logits(self, x, step):                                # x [T, D] -> [S, V]: each sequence's last token
-        last = x[step.last_token_index]
+        last = x if step.is_decode else x[step.last_token_index]   # decode: one token per sequence, no gather
         return self.lm_head.logits(self.final_norm(last))
 
     def forward(self, tokens: np.ndarray, step, cache):      # the whole model (one stage): tokens [T] -> [S, V]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from ..config import parse_bytes
 from ..errors import ConfigError
-from ..generate.kv_cache import kv_bytes_per_token
 from ..generate.schedule import micro_batches
-from .sizes import layer_bytes, table_bytes
+from ..quant.formats import QuantError
+from ..quant.kv import kv_format
+from .sizes import kv_token_bytes, layer_bytes, table_bytes
 from .tiers import place_layers
 
 
@@ -14,9 +15,18 @@ def itemsize(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+def kv_format_of(config, arch):
+    """`[model] kv_cache` / `kv_cache_group` for this model: a quant.kv.KVFormat, or None for a float32 cache."""
+    try:
+        return kv_format(config.model.kv_cache, config.model.kv_cache_group, arch.head_dim)
+    except QuantError as exc:
+        raise ConfigError(f"{config.path}: model.kv_cache_group = {config.model.kv_cache_group}: {exc}") from None
+
+
 def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_share: int = 1) -> dict:
     """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache (GPU batches
-    with a host-resident cache pass through one device staging cache, unless CPU attention reads them in place).
+    with a host-resident cache pass through one device staging cache, unless CPU attention reads them in place),
+    at the bytes of `[model] kv_cache` (offload/sizes.kv_token_bytes: an int4 cache is ~7x smaller than float32).
     quant_of: which tensors are held quantized (quant.storage.quant_of). fetch_share: the replicas of a
     partitioned fetch group; each keeps 1/fetch_share of every host and disk layer."""
     off, tp = config.offload, config.parallel.tp
@@ -30,7 +40,7 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
     kept = lambda tier: sum(-(-b // fetch_share) for b, t in zip(per_layer, tiers) if t == tier)
     batch = config.generate.batch_size
     max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
-    per_seq = max_len * kv_bytes_per_token(arch.num_kv_heads // tp, arch.head_dim, len(layers))
+    per_seq = max_len * len(layers) * kv_token_bytes(arch, tp, kv_format_of(config, arch))
     gpu_batches = micro_batches(batch, off.num_gpu_batches)
     on_device = round(len(gpu_batches) * off.cache_gpu / 100)
     kv_device = sum(len(g) for g in gpu_batches[:on_device]) * per_seq
@@ -79,7 +89,7 @@ def predicted_vs_measured(arch, config, prompt_lengths: list, blocks: int, measu
                     cpu_attention=off.cpu_attention, prefetch_layers=off.prefetch_layers, schedule=off.schedule)
     prompt_len = max(1, round(sum(prompt_lengths) / len(prompt_lengths)))
     model = CostModel(arch, prompt_len, config.generate.max_new_tokens, resolve_profile(off.profile),
-                      config.model.dtype, quant_of)
+                      config.model.dtype, quant_of, kv_format_of(config, arch))
     predicted = model.predict(policy).total_s * blocks
     return {"profile": off.profile, "predicted_s": predicted, "measured_s": measured_s,
             "measured_over_predicted": measured_s / predicted if predicted > 0 else None}

@@ -48,7 +48,10 @@ Peak memory per tier (FlexGen A.3's "home" plus working-set terms; the prefill p
   (qkv, scores or the MLP intermediate, the logits), FlexGen's qkv/att/mlp peak terms.
 Weights at layer granularity: W is the average decoder layer; E, the embedding tables (token and position
 tables, final norm, LM head), stays on the device, as the runtime keeps it (offload/sizes.py counts both the
-same way as the budget check). Quantized weights (quant_of) count, and move, their quantized bytes.
+same way as the budget check). Quantized weights (quant_of) count, and move, their quantized bytes; so does a
+quantized KV cache (kv_format, `[model] kv_cache`): kv is then offload/sizes.kv_token_bytes, the packed values +
+float16 scale and minimum per group of each K and V row (int4 at head_dim 64: 36 bytes a row instead of 128 at
+float16), and every cache term above (traffic, attention reads, peak memory) shrinks with it.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from dataclasses import dataclass, field
 
 from ..model.arch import ModelArch, tensor_shapes
 from .policy import Policy
-from .sizes import layer_bytes, table_bytes
+from .sizes import kv_token_bytes, layer_bytes, table_bytes
 from .profile import HardwareProfile
 
 VARIABLES = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -101,7 +104,7 @@ class ModelSizes:
     layer_weight_bytes: float    # W: weights of the average decoder layer (what streams)
     total_weight_bytes: int      # every weight: the layers and the embedding tables
     table_bytes: int             # token and position tables, final norm, LM head: always on the device
-    kv_bytes: int                # K and V of one token in one layer
+    kv_bytes: int                # K and V of one token in one layer (at the dtype, or the KV format's bytes)
     act_bytes: int               # one token's hidden state
     query_bytes: int             # one token's query (= its attention output)
     query_width: int             # H * hd
@@ -113,9 +116,10 @@ class ModelSizes:
     itemsize: int
 
     @classmethod
-    def of(cls, arch: ModelArch, dtype: str = "float32", quant_of=None) -> "ModelSizes":
+    def of(cls, arch: ModelArch, dtype: str = "float32", quant_of=None, kv_format=None) -> "ModelSizes":
         """Bytes as the runtime holds them on one rank (offload/sizes.py, the budget check's rule too); quant_of:
-        which tensors are quantized (quant.storage.quant_of), so that the quantized bytes are what moves."""
+        which tensors are quantized (quant.storage.quant_of), so that the quantized bytes are what moves;
+        kv_format: the quantized KV cache's quant.kv.KVFormat (None: K and V rows at the dtype, FlexGen's)."""
         if dtype not in ITEMSIZE:
             raise ValueError(f"dtype must be one of {', '.join(ITEMSIZE)}, got {dtype!r}")
         isz = ITEMSIZE[dtype]
@@ -130,8 +134,8 @@ class ModelSizes:
         layers = sum(layer_bytes(arch, i, isz, 1, quant_of) for i in range(L))
         tables = table_bytes(arch, True, True, isz, 1, quant_of)
         return cls(num_layers=L, layer_weight_bytes=layers / L, total_weight_bytes=layers + tables,
-                   table_bytes=tables, kv_bytes=2 * arch.kv_size * isz, act_bytes=arch.hidden_size * isz,
-                   query_bytes=arch.q_size * isz, query_width=arch.q_size, heads=arch.num_heads,
+                   table_bytes=tables, kv_bytes=kv_token_bytes(arch, 1, kv_format, isz),
+                   act_bytes=arch.hidden_size * isz, query_bytes=arch.q_size * isz, query_width=arch.q_size, heads=arch.num_heads,
                    flops_per_token=layer_flops / L, head_flops=2.0 * arch.vocab_size * arch.hidden_size,
                    intermediate=arch.intermediate_size * (2 if arch.gated_mlp else 1), vocab=arch.vocab_size,
                    itemsize=isz)
@@ -198,11 +202,11 @@ class CostModel:
     """FlexGen's cost model for one model, workload and machine."""
 
     def __init__(self, arch: ModelArch, prompt_len: int, gen_len: int, profile: HardwareProfile,
-                 dtype: str = "float32", quant_of=None):
+                 dtype: str = "float32", quant_of=None, kv_format=None):
         if prompt_len < 1 or gen_len < 1:
             raise ValueError(f"prompt_len and gen_len must be >= 1, got {prompt_len} and {gen_len}")
         self.arch, self.prompt_len, self.gen_len, self.profile = arch, prompt_len, gen_len, profile
-        self.sizes = ModelSizes.of(arch, dtype, quant_of)
+        self.sizes = ModelSizes.of(arch, dtype, quant_of, kv_format)
         self.dtype = dtype
 
     def terms(self, gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool = False,

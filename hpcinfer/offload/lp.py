@@ -45,16 +45,17 @@ class PlacementError(ConfigError):
 def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_size: int, num_gpu_batches: int,
                     profile: HardwareProfile, max_latency: float | None = None, *, cpu_attention: bool | None = None,
                     schedule: str = "zigzag", prefetch_layers: int = 1, dtype: str = "float32",
-                    fixed: dict | None = None, quant_of=None) -> tuple[Policy, Prediction]:
+                    fixed: dict | None = None, quant_of=None, kv_format=None) -> tuple[Policy, Prediction]:
     """The best placement for one block shape: (the policy with rounded percentages, its prediction).
 
     cpu_attention None: solve with and without CPU delegation and keep the faster (without, on a tie).
     fixed: Policy percentages to hold, e.g. {"cache_gpu": 100, "act_gpu": 100} (ZeRO-Inference keeps the cache
     and activations on the device); the LP places the rest.
     quant_of: which tensors are quantized (quant.storage.quant_of): their quantized bytes are what moves.
+    kv_format: a quantized KV cache (quant.kv.KVFormat): its bytes are what the cache terms count and move.
     Raises PlacementError naming the tier that does not fit, or max_latency when only the latency does not.
     """
-    model = CostModel(arch, prompt_len, gen_len, profile, dtype, quant_of)
+    model = CostModel(arch, prompt_len, gen_len, profile, dtype, quant_of, kv_format)
     bounds = _bounds(fixed or {})
     choices = (False, True) if cpu_attention is None else (bool(cpu_attention),)
     best, first_error = None, None
@@ -79,7 +80,7 @@ def search_policy(arch: ModelArch, prompt_len: int, gen_len: int, profile: Hardw
                   max_latency: float | None = None, *, gpu_batch_sizes=None, num_gpu_batches=None,
                   cpu_attention: bool | None = None, schedule: str = "zigzag", prefetch_layers: int = 1,
                   dtype: str = "float32", fixed: dict | None = None,
-                  quant_of=None) -> tuple[Policy, Prediction, list[tuple[Policy, Prediction]]]:
+                  quant_of=None, kv_format=None) -> tuple[Policy, Prediction, list[tuple[Policy, Prediction]]]:
     """FlexGen's two-level search: every (gpu_batch_size, num_gpu_batches) of the grid, the LP for each.
 
     gpu_batch_sizes: default powers of two 1 .. 1024 (stopping at the first size that fits in no way, as larger
@@ -100,7 +101,7 @@ def search_policy(arch: ModelArch, prompt_len: int, gen_len: int, profile: Hardw
                 candidates.append(solve_placement(arch, prompt_len, gen_len, b, k, profile, max_latency,
                                                   cpu_attention=cpu_attention, schedule=schedule,
                                                   prefetch_layers=prefetch_layers, dtype=dtype, fixed=fixed,
-                                                  quant_of=quant_of))
+                                                  quant_of=quant_of, kv_format=kv_format))
             except PlacementError as exc:
                 errors.append(exc)
                 first_error = first_error or exc

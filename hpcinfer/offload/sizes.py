@@ -10,12 +10,17 @@ The embedding tables (token table, position table, final norm, LM head: one copy
 outside the layers: neither the runtime nor the planner streams them.
 
 quant_of: tensor name -> (mode, group_size) when that tensor is held quantized, else None (quant.storage).
+
+The KV cache has its rule here too (`kv_token_bytes`): the runtime's (generate/kv_cache.kv_bytes_per_token),
+float32 rows, or with `[model] kv_cache = "int8" | "int4"` the format's packed values + a float16 scale and minimum
+per group (quant.kv.KVFormat.row_bytes). The budget check counts with it, and the cost model's KV term moves it.
 """
 
 from __future__ import annotations
 
 import math
 
+from ..generate.kv_cache import kv_bytes_per_token
 from ..model.arch import tensor_shapes
 from ..quant.storage import is_row_parallel, quantized_nbytes
 
@@ -63,3 +68,12 @@ def table_bytes(arch, first: bool, last: bool, itemsize: int, tp: int = 1, quant
         elif not first:
             total += tensor_bytes(arch, "embed.tokens", shapes["embed.tokens"], itemsize, tp, quant_of)
     return total
+
+
+def kv_token_bytes(arch, tp: int = 1, kv_format=None, itemsize: int = FLOAT32) -> int:
+    """Bytes of one token's K and V in one decoder layer on one rank: 2 Hkv/tp rows of head_dim values, each
+    head_dim * itemsize bytes (float; the runtime's cache is float32) or kv_format.row_bytes(head_dim) quantized
+    (kv_format: a quant.kv.KVFormat; int4 at head_dim 64, group 64: 32 bytes of values + 4 of scale and min)."""
+    if kv_format is not None:
+        return kv_bytes_per_token(arch.num_kv_heads // tp, arch.head_dim, 1, kv_format)
+    return 2 * (arch.num_kv_heads // tp) * arch.head_dim * itemsize

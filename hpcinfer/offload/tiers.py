@@ -16,6 +16,7 @@ rounds; a rank whose work ends keeps joining rounds in `close()` until every mem
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,22 +30,30 @@ from .partition import LayerImage
 TIERS = ("device", "host", "disk")
 
 
-def layer_tensors(obj, found=None, seen=None) -> list:
-    """Every (holder, key) whose value is a weight below a block: attributes holding arrays, lists of arrays
-    (expert stacks) and QuantizedTensors. Walks the model's and the parallel layers' objects only."""
+def layer_tensors(obj, array_types=(np.ndarray,), found=None, seen=None) -> list:
+    """Every (holder, key) whose value is a weight below a block: attributes holding arrays (`array_types`: the
+    backend's, e.g. numpy's or cupy's ndarray), lists of arrays (expert stacks) and quantized tensors (host
+    QuantizedTensors, or their device form). Walks the model's and the parallel layers' objects only."""
     found = [] if found is None else found
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return found
     seen.add(id(obj))
     for key, value in vars(obj).items():
-        if isinstance(value, (np.ndarray, QuantizedTensor)) and key not in ("cos", "sin"):
+        if (isinstance(value, array_types) or _is_quantized(value)) and key not in ("cos", "sin"):
             found.append((obj, key))
-        elif isinstance(value, list) and value and all(isinstance(v, np.ndarray) for v in value):
+        elif isinstance(value, list) and value and all(isinstance(v, array_types) for v in value):
             found.append((obj, key))
         elif _is_weight_holder(value):
-            layer_tensors(value, found, seen)
+            layer_tensors(value, array_types, found, seen)
     return found
+
+
+def _is_quantized(value) -> bool:
+    """A quantized weight: quant.formats.QuantizedTensor, or a backend's device form of one (a dataclass with the
+    same q, scale and min parts, e.g. backend/cupy_quant.DeviceQuantizedTensor)."""
+    return isinstance(value, QuantizedTensor) or (dataclasses.is_dataclass(value) and
+                                                   all(hasattr(value, f) for f in ("q", "scale", "min")))
 
 
 def _is_weight_holder(value) -> bool:
@@ -55,29 +64,31 @@ def _is_weight_holder(value) -> bool:
 
 def parts_of(value) -> list:
     """The arrays a weight slot's value is made of, in a fixed order (kind_of says how to put them back)."""
-    if isinstance(value, QuantizedTensor):
+    if _is_quantized(value):
         return [value.q, value.scale] + ([] if value.min is None else [value.min])
     return list(value) if isinstance(value, list) else [value]
 
 
 def kind_of(value) -> tuple:
-    if isinstance(value, QuantizedTensor):
-        return ("quant", value.mode, value.group_size, value.min is not None)
+    """How to put a slot back together: ("quant", the quantized tensor with its arrays taken out, has min),
+    ("list", n) or ("array",)."""
+    if _is_quantized(value):
+        return ("quant", dataclasses.replace(value, q=None, scale=None, min=None), value.min is not None)
     return ("list", len(value)) if isinstance(value, list) else ("array",)
 
 
 def assemble(kind: tuple, arrays: list):
     """parts_of's inverse: the slot's value from its arrays."""
     if kind[0] == "quant":
-        _, mode, group_size, has_min = kind
-        return QuantizedTensor(mode, arrays[0], arrays[1], arrays[2] if has_min else None, group_size)
+        _, empty, has_min = kind
+        return dataclasses.replace(empty, q=arrays[0], scale=arrays[1], min=arrays[2] if has_min else None)
     return list(arrays) if kind[0] == "list" else arrays[0]
 
 
 def part_count(kind: tuple) -> int:
     """How many arrays a slot of this kind is made of."""
     if kind[0] == "quant":
-        return 3 if kind[3] else 2
+        return 3 if kind[2] else 2
     return kind[1] if kind[0] == "list" else 1
 
 
@@ -127,7 +138,7 @@ class WeightTiers:
     def place(self, i: int) -> None:
         """Called once block i has loaded its weights: keep them (device tier) or move them to host or disk, so
         that loading never holds more than one streamed layer at a time."""
-        self.tensors[i] = layer_tensors(self.blocks[i])
+        self.tensors[i] = layer_tensors(self.blocks[i], (np.ndarray, self.ops.xp.ndarray))
         values = [getattr(h, k) for h, k in self.tensors[i]]
         self.kinds[i] = [kind_of(v) for v in values]
         self.layer_bytes[i] = sum(_nbytes(v) for v in values)

@@ -6,6 +6,10 @@ once per step for the whole block (prefetching the next layers meanwhile), inste
 row-by-row schedule of ZeRO-Inference. A batch's KV cache lives on the device or in host memory
 (`cache_gpu` percent of the batches on the device); a host-resident cache is loaded before its batch's layer runs
 and stored after, unless `cpu_attention` delegates that attention to the host, which then works on it in place.
+With `[model] kv_cache = "int8" | "int4"` every one of these caches (device, host, staging) holds QuantizedKV parts
+(q, scale, min) and the loads and stores move those parts as they are: FlexGen's point of compressing the cache,
+~3.8x (int8) and ~7.1x (int4) fewer bytes than float32 at head_dim 64, group 64. Attention dequantizes only the
+rows it reads (backend/kv_attention.py), as in the row schedule, so both give the same tokens.
 
 Shape legend: T tokens of a batch's step, S its running sequences, D hidden.
 """
@@ -22,17 +26,20 @@ from ..generate.engine import Sequence, record_token
 from ..generate.kv_cache import KVCache
 from ..generate.sampling import sample, sequence_rng
 from ..generate.schedule import micro_batches
+from ..quant.kv import QuantizedKV
 
 
 class HostKV:
     """KV caches of GPU batches that live in host memory, and the one device staging cache they pass through
-    (loaded before a batch's layer runs, stored after), unless CPU attention reads them where they are."""
+    (loaded before a batch's layer runs, stored after), unless CPU attention reads them where they are. A quantized
+    cache (model.kv_format) moves as its quantized parts; the byte counts are of what moves."""
 
     def __init__(self, model, sizes: dict, max_len: int, cpu_attention: bool):
         from ..backend.numpy_ops import NumpyOps
 
         arch = model.arch
-        make = lambda ops, n: KVCache(ops, model.num_local_layers, n, model.kv_heads_local, max_len, arch.head_dim)
+        make = lambda ops, n: KVCache(ops, model.num_local_layers, n, model.kv_heads_local, max_len, arch.head_dim,
+                                      kv_format=model.kv_format)
         self.host = {b: make(NumpyOps(), n) for b, n in sizes.items()}          # b -> host-resident cache
         self.staging = None if cpu_attention or not sizes else make(model.ops, max(sizes.values()))
         self.bytes_to_device = self.bytes_to_host = 0
@@ -42,20 +49,23 @@ class HostKV:
         host = self.host[b]
         if self.staging is None:
             return host
-        n = host.k[layer].shape[0]
-        self.staging.k[layer][:n] = self.staging.ops.asarray(host.k[layer])
-        self.staging.v[layer][:n] = self.staging.ops.asarray(host.v[layer])
-        self.bytes_to_device += 2 * int(host.k[layer].nbytes)
+        for rows, staged in ((host.k[layer], self.staging.k[layer]), (host.v[layer], self.staging.v[layer])):
+            staged[:rows.shape[0]] = _moved(rows, self.staging.ops.asarray)
+            self.bytes_to_device += int(rows.nbytes)
         return self.staging
 
     def store(self, b: int, layer: int) -> None:
         if self.staging is None:
             return
         host = self.host[b]
-        n = host.k[layer].shape[0]
-        host.k[layer][...] = self.staging.ops.to_host(self.staging.k[layer][:n])
-        host.v[layer][...] = self.staging.ops.to_host(self.staging.v[layer][:n])
-        self.bytes_to_host += 2 * int(host.k[layer].nbytes)
+        for rows, staged in ((host.k[layer], self.staging.k[layer]), (host.v[layer], self.staging.v[layer])):
+            rows[...] = _moved(staged[:rows.shape[0]], self.staging.ops.to_host)
+            self.bytes_to_host += int(rows.nbytes)
+
+
+def _moved(rows, move):
+    """A float array, or a QuantizedKV part by part, through `move` (ops.asarray / ops.to_host)."""
+    return rows.map(move) if isinstance(rows, QuantizedKV) else move(rows)
 
 
 def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
@@ -67,7 +77,7 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     max_len = max(s.capacity for s in seqs)
     on_device = round(len(batches) * policy.cache_gpu / 100)
     caches = {b: KVCache(model.ops, model.num_local_layers, len(batches[b]), model.kv_heads_local, max_len,
-                         arch.head_dim) for b in range(on_device)}
+                         arch.head_dim, kv_format=model.kv_format) for b in range(on_device)}
     host_kv = HostKV(model, {b: len(batches[b]) for b in range(on_device, len(batches))}, max_len,
                      policy.cpu_attention)
     eos = set() if params.ignore_eos else set(arch.eos_token_ids)

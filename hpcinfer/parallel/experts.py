@@ -39,15 +39,25 @@ class ExpertStack:
                 down_bias = ckpt.read_slab(f"{self.prefix}.down.bias", (e,))
                 self.down_bias = [self.ops.asarray(b.astype(np.float32, copy=False)) for b in down_bias]
 
-    def __call__(self, rows, local_expert: np.ndarray):
+    def __call__(self, rows, local_expert, counts=None):
         """rows [M, D] and each row's local expert index [M] -> this rank's output rows [M, D] (a partial sum over
-        F slices when expert_tp > 1)."""
+        F slices when expert_tp > 1). counts: host [El] rows per local expert when the rows are already grouped by
+        expert (the routing's order): no sort. Otherwise the rows are sorted by expert in `ops.xp` and the
+        [El + 1] segment bounds copied to the host (the one copy; the indices stay where the rows are)."""
         out = self.ops.zeros((rows.shape[0], rows.shape[1]), np.float32)
-        order = np.argsort(local_expert, kind="stable")
-        bounds = np.searchsorted(local_expert[order], np.arange(len(self.up) + 1))
+        if counts is not None:
+            bounds = np.concatenate([[0], np.cumsum(counts)])
+            for e in range(len(self.up)):
+                if bounds[e + 1] > bounds[e]:
+                    out[bounds[e]:bounds[e + 1]] = self._ffn(e, rows[bounds[e]:bounds[e + 1]])
+            return out
+        xp = self.ops.xp
+        local_expert = xp.asarray(local_expert)
+        order = xp.argsort(local_expert, kind="stable")                                 # [M]
+        bounds = self.ops.to_host(xp.searchsorted(local_expert[order], xp.arange(len(self.up) + 1)))   # [El + 1]
         for e in range(len(self.up)):
-            idx = order[bounds[e]:bounds[e + 1]]
-            if len(idx):
+            if bounds[e + 1] > bounds[e]:
+                idx = order[bounds[e]:bounds[e + 1]]
                 out[idx] = self._ffn(e, rows[idx])
         return out
 

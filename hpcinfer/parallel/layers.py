@@ -87,7 +87,7 @@ class ColumnParallelLinear:
         rows = [even_shard(n, self.tp.size, self.tp.rank) for n in self.out_sizes]
         parts = [load_matrix(ckpt, f"{name}.weight", rows=r) for name, r in zip(self.names, rows)]
         if all(p is not None for p in parts):
-            self.qw = concat_rows(parts)
+            self.qw = self.ops.prepare_quantized(concat_rows(parts))
         else:                                                     # each part read into its rows of w: no concat copy
             w = np.empty((sum(self.local_sizes), ckpt.shape(f"{self.names[0]}.weight")[1]), self.dtype)
             starts = np.cumsum([0] + self.local_sizes)
@@ -98,10 +98,18 @@ class ColumnParallelLinear:
             b = np.concatenate([ckpt.read(f"{name}.bias", r) for name, r in zip(self.names, rows)])
             self.b = self.ops.asarray(b.astype(np.float32, copy=False))
 
-    def __call__(self, x):                                        # x [T, in] -> [T, sum(local_sizes)]
-        if self.qw is not None:
-            return self.ops.linear_q(x, self.qw, self.b)
-        return self.ops.linear(x, self.w, self.b)
+    def __call__(self, x, norm=None, act=None, gated=False):      # x [T, in] -> [T, sum(local_sizes)]
+        """act(norm(x) @ W^T + b); gated: act(gate) * up -> [T, local F]. The norm (a model Norm) and act run
+        inside the matmul's kernel (Ops.fused_linear) when there is one of them to fuse and w is dense."""
+        fused = getattr(self.ops, "fused_linear", None)
+        if self.qw is None and fused is not None and (norm is not None or act is not None):
+            return fused(x, self.w, self.b, norm=None if norm is None else norm.params, act=act, gated=gated)
+        if norm is not None:
+            x = norm(x)
+        y = self.ops.linear(x, self.w, self.b) if self.qw is None else self.ops.linear_q(x, self.qw, self.b)
+        if act is not None:
+            y = self.ops.gated_activation(y, act) if gated else self.ops.activation(y, act)
+        return y
 
 
 class RowParallelLinear:
@@ -117,7 +125,9 @@ class RowParallelLinear:
         rows = even_shard(self.in_size, self.tp.size, self.tp.rank)
         self.qw = load_matrix(ckpt, f"{self.name}.weight", cols=rows,        # groups never cross the shard
                               row_max=lambda m: self.tp.all_gather(np.ascontiguousarray(m)).max(axis=0))
-        if self.qw is None:
+        if self.qw is not None:
+            self.qw = self.ops.prepare_quantized(self.qw)
+        else:
             block = ckpt.read(f"{self.name}.weight", rows)            # stored [in_local, out]
             w = np.empty(block.shape[::-1], self.dtype)               # [out, in_local]: one transposing copy
             w[...] = block.T
@@ -126,12 +136,17 @@ class RowParallelLinear:
         if self.bias:
             self.b = self.ops.asarray(ckpt.read(f"{self.name}.bias").astype(np.float32, copy=False))
 
-    def __call__(self, x):                                        # x [T, in_local] -> [T, out]
+    def __call__(self, x, residual=None):                         # x [T, in_local] -> [T, out]
+        """x @ W^T + b (+ residual). With tp == 1 the bias and residual add run in the matmul's epilogue
+        (Ops.fused_linear, Deep-Fusion region 4); with tp > 1 the all-reduce sits between the matmul and them."""
+        fused = getattr(self.ops, "fused_linear", None)
+        if residual is not None and self.tp.size == 1 and self.qw is None and fused is not None:
+            return fused(x, self.w, self.b, residual=residual)
         local = self.ops.linear(x, self.w) if self.qw is None else self.ops.linear_q(x, self.qw)
         y = reduce_from_tp(local, self.tp)
         if self.b is not None:
             y += self.b
-        return y
+        return y if residual is None else residual + y
 
 
 class VocabParallelEmbedding:
@@ -147,21 +162,22 @@ class VocabParallelEmbedding:
     def load(self, ckpt):
         qt = load_matrix(ckpt, self.name, rows=slice(self.start, self.stop))
         if qt is not None:
-            self.qtable = pad_rows(qt, self.rows)
+            self.qtable = self.ops.prepare_quantized(pad_rows(qt, self.rows))
             return
         table = np.zeros((self.rows, ckpt.shape(self.name)[1]), self.dtype)     # [Vs, D], the padding rows zero
         read_rows_into(ckpt, self.name, slice(self.start, self.stop), table[:self.stop - self.start])
         self.table = self.ops.asarray(table)
 
-    def embed(self, ids):                                         # ids [T] (host ints) -> [T, D]
+    def embed(self, ids):                                         # ids [T] (host or backend ints) -> [T, D]
         lookup = (self.ops.embedding if self.qtable is None else
                   lambda _, rows: self.ops.embedding_q(self.qtable, rows))
         if self.tp.size == 1:
             return lookup(self.table, ids)
+        xp, ids = self.ops.xp, self.ops.asarray(ids)
         local = ids - self.start
         mine = (local >= 0) & (local < self.stop - self.start)
-        out = lookup(self.table, np.where(mine, local, 0))
-        out[~mine] = 0.0
+        out = lookup(self.table, xp.where(mine, local, 0))
+        out = xp.where(mine[:, None], out, np.float32(0))          # not a masked write: no host sync (CUDA graphs)
         return reduce_from_tp(out, self.tp)
 
     def logits(self, x):                                          # x [S, D] -> [S, V] on every tp rank

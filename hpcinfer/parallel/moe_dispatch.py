@@ -9,6 +9,10 @@ sends only the rows bound for ranks that share its tp rank, the exchange runs am
 all-gather inside the tp group puts the results together); either can run hierarchically (intra-node, then
 inter-node). All give the same result.
 
+The routing tables may live on the device (CupyOps): every index step here runs in the ops' array module
+(`ops.xp`), with no data-dependent shapes, and the only host-side sizes (what goes to each rank) come from the
+routing's host copy of the per-expert counts, so the dispatch itself copies nothing between host and device.
+
 Shape legend: T tokens, D hidden, R routed rows (token, choice), N copies sent, M rows received.
 """
 
@@ -34,11 +38,11 @@ class Dispatcher:
 
     def __call__(self, x, routing, experts):                     # x [T, D] -> combined expert output [T, D]
         rows = self.ops.permute(x, routing)                      # [R, D], grouped by expert
-        if self.all_local:
-            out = experts(rows, routing.expert_of_row - experts.first_expert)
+        if self.all_local:                                       # rows already grouped by expert: no sort
+            out = experts(rows, routing.expert_of_row - experts.first_expert, routing.expert_counts)
             return self.ops.unpermute(out, routing, x.shape[0])
-        copy_row, dest = self._destinations(routing.expert_of_row)                         # [N], [N]
-        counts = np.bincount(dest, minlength=self.group.size).astype(np.int64)
+        counts = self._send_counts(routing.expert_counts)                                  # host [P]
+        copy_row = self._destinations(routing.expert_of_row, int(counts.sum()))            # [N]
         send = [rows[copy_row], routing.expert_of_row[copy_row] % self.local_experts]
         (recv_rows, recv_expert), recv_counts = self.exchange.exchange(send, counts)       # comm
         out = experts(recv_rows, recv_expert)                                              # local: [M, D]
@@ -49,13 +53,21 @@ class Dispatcher:
         self.ops.scatter_add_rows(summed, copy_row, back)       # slices (and tp shares) of a row add up
         return self.ops.unpermute(summed, routing, x.shape[0])
 
-    def _destinations(self, expert_of_row: np.ndarray):
-        """(routed row of each copy, destination rank in the exchange group), ordered by destination."""
-        R, etp = len(expert_of_row), self.expert_tp
-        copy_row = np.repeat(np.arange(R), etp)
-        dest = (expert_of_row[copy_row] // self.local_experts) * etp + np.tile(np.arange(etp), R)   # stage rank
+    def _send_counts(self, expert_counts) -> np.ndarray:
+        """Host [E] rows per expert -> host [P] rows this rank sends to each rank of the exchange group: a copy of
+        each row to every slice of its expert's owner (stage rank owner * expert_tp + slice); with pcc only to
+        the stage ranks of this tp rank (stage rank dp * tp + tp rank, dp index in the group)."""
+        per_owner = np.asarray(expert_counts, dtype=np.int64).reshape(-1, self.local_experts).sum(axis=1)   # [ep]
+        per_stage_rank = np.repeat(per_owner, self.expert_tp)                                        # [ep * etp]
+        return per_stage_rank[self.tp.rank::self.tp.size] if self.pcc else per_stage_rank
+
+    def _destinations(self, expert_of_row, copies: int):
+        """Routed row of each of the `copies` copies this rank sends, ordered by destination rank (stable: by
+        row inside one destination). In `ops.xp`; copies not for this rank (pcc) sort last and are cut off."""
+        xp, R, etp = self.ops.xp, len(expert_of_row), self.expert_tp
+        copy_row = xp.repeat(xp.arange(R), etp)                                                      # [R * etp]
+        dest = (expert_of_row[copy_row] // self.local_experts) * etp + xp.tile(xp.arange(etp), R)   # stage rank
         if self.pcc:
             mine = dest % self.tp.size == self.tp.rank
-            copy_row, dest = copy_row[mine], dest[mine] // self.tp.size                    # dp index
-        order = np.argsort(dest, kind="stable")
-        return copy_row[order], dest[order]
+            dest = xp.where(mine, dest // self.tp.size, self.group.size)                            # dp index
+        return copy_row[xp.argsort(dest, kind="stable")[:copies]]

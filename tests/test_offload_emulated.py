@@ -1,0 +1,61 @@
+"""Weight offload on the CuPy backend, run on the CPU stand-in for cupy (tests/emu_cupy.py): the tiers find the
+backend's device arrays and device-form quantized weights (backend/cupy_quant.DeviceQuantizedTensor), stream
+them from host memory and disk, and the tokens and bytes moved equal the NumPy backend's run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import emu_cupy as emu
+from hpcinfer.backend.numpy_ops import NumpyOps
+from hpcinfer.kernels import emulate
+from hpcinfer.quant.storage import configure
+from test_offload import build, generate, make_prompts, offload, preset
+
+pytestmark = pytest.mark.skipif(emulate.unavailable() is not None,
+                                reason=f"kernel emulator unavailable: {emulate.unavailable()}")
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
+
+
+PLACEMENTS = {"host": dict(weights_gpu=25, weights_cpu=75, prefetch_layers=1),
+              "disk": dict(weights_gpu=0, weights_cpu=50, prefetch_layers=2),
+              "zigzag": dict(weights_gpu=50, weights_cpu=50, schedule="zigzag", num_gpu_batches=2)}
+
+
+def run(ops, prompts, off, quantize):
+    source = preset("tiny-dense")
+    if quantize:
+        configure(source, quantize, 32)
+    model = build(source, off, ops)
+    out, times = generate(model, prompts, off)
+    return [tokens for tokens, _ in out], model.weights
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_streamed_weights_on_emulated_cupy_give_numpys_tokens_and_bytes(prompts, tmp_path, placement, quantize):
+    off = offload(tmp_path, **PLACEMENTS[placement])
+    want, cpu_tiers = run(NumpyOps(), prompts, off, quantize)
+    with emu.installed():
+        from hpcinfer.backend.cupy_ops import CupyOps
+
+        got, gpu_tiers = run(CupyOps(device=0), prompts, offload(tmp_path / "gpu", **PLACEMENTS[placement]),
+                             quantize)
+        assert gpu_tiers.streamed, "no layer was streamed"
+        for i in gpu_tiers.streamed:                                 # what was streamed is the backend's
+            for holder, key in gpu_tiers.tensors[i]:
+                assert getattr(holder, key) is None                  # released after the run
+        kinds = {kind[0] for layer in gpu_tiers.kinds for kind in layer}
+        assert ("quant" in kinds) == bool(quantize)
+    assert got == want
+    moved = gpu_tiers.bytes_from_host + gpu_tiers.bytes_from_disk
+    assert moved > 0
+    if not quantize:                                                 # the same arrays move (the device form of a
+        assert moved == cpu_tiers.bytes_from_host + cpu_tiers.bytes_from_disk    # quantized weight is padded)
+    else:
+        assert np.isclose(moved, cpu_tiers.bytes_from_host + cpu_tiers.bytes_from_disk, rtol=0.25)
