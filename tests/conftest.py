@@ -36,7 +36,7 @@ def pytest_configure(config):
 
 @pytest.fixture
 def emu_cupy(monkeypatch):
-    """The CPU stand-in for cupy (tests/emu_cupy.py), installed for one test: CupyOps(device=0) and
+    """The CPU stand-in for cupy (tests/emu_cupy/), installed for one test: CupyOps(device=0) and
     make_ops("cupy", 0) build on it, its kernels run on the emulator. Yields the fake module."""
     import emu_cupy as emu
 

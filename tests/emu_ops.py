@@ -1,7 +1,7 @@
 """A minimal stand-in for CupyOps over NumPy arrays, for testing a backend wrapper module (backend/cupy_*.py)
 without the fake cupy: `xp` is numpy and `_kernel` launches the cuda_src/ kernel on the CPU emulator (or gives
 None with kernels=False: the wrapper's plain-array path). Subclass it with what else the wrapper asks of its ops.
-The fake cupy (tests/emu_cupy.py) runs the real CupyOps instead; this is the lighter tool for one module."""
+The fake cupy (tests/emu_cupy/) runs the real CupyOps instead; this is the lighter tool for one module."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Checked here: every refusal is one ConfigError naming the key and what is allowed (config, then the set-up checks
 that need the checkpoint or the resolved comm); on the NumPy backend the key changes nothing; and on the CPU fake
-of cupy (tests/emu_cupy.py: streams record what runs during a capture and replay it on `graph.launch()`, and any
+of cupy (tests/emu_cupy/: streams record what runs during a capture and replay it on `graph.launch()`, and any
 host <-> device copy during a capture raises, as CUDA does) tiny models generate the same greedy tokens with graphs
 on, off and on NumPy, over decode steps that cross a KV bucket and replay every graph several times, with one
 capture per (batch, bucket) key seen. What only a GPU can say (real capture, NCCL inside the graph, the time saved)
@@ -18,7 +18,7 @@ import logging
 import numpy as np
 import pytest
 
-from hpcinfer.backend.cupy_ops import kv_bucket
+from hpcinfer.backend.cupy_graphs import kv_bucket
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from hpcinfer.comm.group import Groups
@@ -155,8 +155,8 @@ def test_numpy_backend_ignores_the_key():
 
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    """The CPU fake of cupy (tests/emu_cupy.py), installed for one test."""
-    emu = pytest.importorskip("emu_cupy", reason="tests/emu_cupy.py (the CPU fake of cupy) is not there yet")
+    """The CPU fake of cupy (tests/emu_cupy/), installed for one test."""
+    emu = pytest.importorskip("emu_cupy", reason="tests/emu_cupy/ (the CPU fake of cupy) is not there yet")
     return emu.install(monkeypatch)
 
 

@@ -1,4 +1,4 @@
-"""The CuPy backend with no GPU: CupyOps on tests/emu_cupy.py (a fake cupy over NumPy whose RawModule and
+"""The CuPy backend with no GPU: CupyOps on tests/emu_cupy/ (a fake cupy over NumPy whose RawModule and
 ElementwiseKernel run the real cuda_src/ kernels and snippets on the CPU kernel emulator).
 
 1. The op cases of tests/test_cupy_ops.py (imported, not copied), with its tolerances, for CupyOps with the
@@ -72,7 +72,7 @@ def test_decode_graph_replays_with_new_inputs_and_matches_eager(emu_gpu):
 
 
 def test_decode_graph_refuses_a_host_upload_inside_the_capture(emu_gpu):
-    from hpcinfer.backend.cupy_ops import DecodeGraph
+    from hpcinfer.backend.cupy_graphs import DecodeGraph
 
     gpu, rng = emu_gpu, np.random.default_rng(0)
     w = gpu.asarray(gpu_cases.randn(rng, 8, 8))
@@ -238,7 +238,7 @@ def test_compile_errors_and_elementwise_type_checks(emu_gpu):
 def test_a_decode_graph_step_steered_by_host_values_replays_stale(emu_gpu):
     """The hazard DecodeGraph's docstring names, reproduced by the fake as by a GPU: a host value read by the step
     (here a capture-time position) is baked into the graph, so replays at other positions give its old result."""
-    from hpcinfer.backend.cupy_ops import DecodeGraph
+    from hpcinfer.backend.cupy_graphs import DecodeGraph
 
     gpu = emu_gpu
     x = np.ones((2, 4), dtype=np.float32)

@@ -270,7 +270,7 @@ def test_asarray_converts_on_the_device_with_rounding_as_ml_dtypes(gpu):
 def test_decode_graph_replays_with_new_inputs_and_matches_eager(gpu):
     """A decode-shaped step (norm, linear, attention over the cache, linear) captured once for (batch 3, bucket
     64) and replayed at other positions, slots and inputs of the same key: the same as running it eagerly."""
-    from hpcinfer.backend.cupy_ops import DecodeGraph
+    from hpcinfer.backend.cupy_graphs import DecodeGraph
 
     cp, rng = gpu.xp, np.random.default_rng()
     S, D, heads, kv_heads, hd, lmax = 3, 32, 4, 2, 8, 80

@@ -282,7 +282,7 @@ def test_prefix_rows():
                                          (2, 0, 0), (2, 0, 1), (2, 0, 2), (2, 1, 0), (2, 1, 1), (2, 1, 2)]
 
 
-# ---- 3. CupyOps.attention on the fake cupy (tests/emu_cupy.py: device arrays, kernels on the emulator) -----------
+# ---- 3. CupyOps.attention on the fake cupy (tests/emu_cupy/: device arrays, kernels on the emulator) -------------
 FAKE = [
     # mode (None: float cache), group, H, Hkv, slots, starts, counts, topk
     ("int4", 32, 6, 2, [2, 0, 3], [0, 5, 11], [4, 1, 6], 0.0),             # prefill
@@ -296,7 +296,7 @@ FAKE = [
 @pytest.mark.parametrize("mode, group, H, Hkv, slots, starts, counts, topk", FAKE)
 @needs_emulator
 def test_cupy_ops_attention_on_fake_cupy(monkeypatch, kernels, mode, group, H, Hkv, slots, starts, counts, topk):
-    emu = pytest.importorskip("emu_cupy", reason="tests/emu_cupy.py (the CPU fake of cupy) is not there")
+    emu = pytest.importorskip("emu_cupy", reason="tests/emu_cupy/ (the CPU fake of cupy) is not there")
     emu.install(monkeypatch)
     ops = CupyOps(device=0, kernels=kernels)
     rng = np.random.default_rng(4)

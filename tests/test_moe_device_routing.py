@@ -3,7 +3,7 @@
 1. cupy_moe.route_arrays (the plain-array route, the fallback of the moe_route kernel) on NumPy equals moe_ops.route.
 2. The dispatcher's host-side send counts equal the bincount of its destinations (the formulation they replace),
    for every ep / expert_tp / pcc shape.
-3. On tests/emu_cupy.py (a fake cupy whose kernels run on the CPU emulator): CupyOps.route / permute / unpermute,
+3. On tests/emu_cupy/ (a fake cupy whose kernels run on the CPU emulator): CupyOps.route / permute / unpermute,
    with the kernels and with plain CuPy, equal NumpyOps (capacity on and off, tied logits, experts nobody picks,
    everything dropped); the tables stay on the device and only the [E] counts are copied to the host; the fused
    moe_gate_dispatch equals gating + route + permute; a tiny DS-MoE model's MoE layer gives NumpyOps's output with
@@ -191,3 +191,31 @@ def test_a_moe_layer_on_the_device_equals_numpy_with_one_copy(emu, tiny_moe):
     prompts = [[1, 2, 3, 4, 5], [200, 7], [42] * 11]
     want, got = prompt_logits(cpu_model, prompts), prompt_logits(gpu_model, prompts)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@needs_emulator
+@pytest.mark.parametrize("tokens", [5, cupy_moe.FUSED_MAX_TOKENS + 1])
+def test_the_moe_layer_runs_the_fused_kernel_for_decode_sized_steps(emu, tiny_moe, monkeypatch, tokens):
+    """MoE.__call__ goes through Ops.gate_dispatch: one moe_gate_dispatch launch (gating + tables + row scatter)
+    up to FUSED_MAX_TOKENS tokens with the kernels, the three separate ops above it (and without kernels); the
+    layer's output equals NumPy's either way."""
+    from hpcinfer.api import load_model
+    from hpcinfer.checkpoint.format import open_checkpoint
+    from hpcinfer.comm.group import Groups
+    from hpcinfer.model.moe import MoE
+    from hpcinfer.model.transformer import Decoder
+
+    _, gpu, _ = emu
+    fused = []
+    real = cupy_moe.gate_dispatch
+    monkeypatch.setattr(cupy_moe, "gate_dispatch", lambda *a: fused.append(real(*a)) or fused[-1])
+    cpu_model = load_model(tiny_moe)
+    with open_checkpoint(tiny_moe) as ckpt:
+        gpu_model = Decoder(gpu, Groups(), ckpt.arch).load(ckpt)
+    layer = next(i for i, b in enumerate(cpu_model.blocks) if isinstance(b.mlp, MoE))
+    x = np.random.default_rng(2).standard_normal((tokens, cpu_model.arch.hidden_size)).astype(F32)
+    want = cpu_model.blocks[layer].mlp(x)
+    got = gpu.to_host(gpu_model.blocks[layer].mlp(gpu.asarray(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    ran_fused = [f is not None for f in fused]
+    assert ran_fused == ([gpu.kernels] if tokens <= cupy_moe.FUSED_MAX_TOKENS else [])

@@ -1,4 +1,4 @@
-"""Weight offload on the CuPy backend, run on the CPU stand-in for cupy (tests/emu_cupy.py): the tiers find the
+"""Weight offload on the CuPy backend, run on the CPU stand-in for cupy (tests/emu_cupy/): the tiers find the
 backend's device arrays and device-form quantized weights (backend/cupy_quant.DeviceQuantizedTensor), stream
 them from host memory and disk, and the tokens and bytes moved equal the NumPy backend's run.
 """

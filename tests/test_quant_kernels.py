@@ -213,7 +213,7 @@ def test_array_path_for_groups_the_kernel_cannot_read(rng):
     assert ops.launched == []
 
 
-# ---- CupyOps itself on the fake cupy of tests/emu_cupy.py (kernels on the emulator) -----------------------------
+# ---- CupyOps itself on the fake cupy of tests/emu_cupy/ (kernels on the emulator) -------------------------------
 @pytest.mark.parametrize("mode, group, out, n_in", [("int8", 0, 40, 50), ("int4", 64, 33, 128)])
 @pytest.mark.parametrize("kernels", [True, False])
 @needs_emulator

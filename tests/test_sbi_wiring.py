@@ -6,7 +6,7 @@
 3. cupy_sbi.fused_linear itself, with a NumPy stand-in for CupyOps whose kernels run on the CPU emulator
    (hpcinfer.kernels.emulate): the defines, grids and arguments the wrapper computes, against NumpyOps (slow: a g++
    build per define set, cached under build/kernel-emu/).
-4. CupyOps.linear / fused_linear and a tiny Llama's greedy tokens on tests/emu_cupy.py (and on a GPU when there is
+4. CupyOps.linear / fused_linear and a tiny Llama's greedy tokens on tests/emu_cupy/ (and on a GPU when there is
    one) against NumpyOps, for T in {1, 3, 16, 17} and float32 / float16 / bfloat16 weights.
 """
 
@@ -285,7 +285,7 @@ def test_linear_through_the_wrapper_on_the_emulator():
     assert cupy_sbi.fused_linear(ops, rng.standard_normal((1, 32)).astype(F32), w) is None
 
 
-# ---- 4. CupyOps on the fake cupy (tests/emu_cupy.py: the real kernels on the CPU emulator), and on a GPU --------
+# ---- 4. CupyOps on the fake cupy (tests/emu_cupy/: the real kernels on the CPU emulator), and on a GPU ----------
 @pytest.fixture(params=["fake", "gpu"])
 def emu_ops(request, monkeypatch):
     """CupyOps(device=0) on the fake cupy (or on a real GPU, where there is one), and the list of its SBI calls:

@@ -25,6 +25,7 @@ F32 = np.float32
 MAX_EXPERTS = 256          # moe_gating.cu's MAX_EXPERTS for every launch here
 ROUTE_BLOCK = 256          # the single block of moe_route / moe_gate_dispatch: one thread per expert at E <= 256
 BLOCK = 256                # moe_permute: threads per row
+FUSED_MAX_TOKENS = 64      # gate_dispatch (one block walks every (token, choice) pair): decode-sized steps only
 _i32, _i64 = np.int32, np.int64
 
 

@@ -11,6 +11,13 @@ the kernel's preconditions; otherwise (and with `kernels=False`) it runs as plai
 the fallback and as a second reference: tests/test_cupy_ops.py holds both paths to NumpyOps. "TODO kernel" marks
 the ops with no kernel wired yet.
 
+This module holds CupyOps itself (memory, dense math, norms, activations, MoE gating, the kernel-launch helpers
+`_kernel`, `_rows`, `_grid`) and its elementwise kernels. Longer op bodies live beside it as functions of the ops,
+which the methods call: attention over a float KV cache and encoder attention in cupy_attention.py, a quantized
+KV cache and top-k decode in cupy_kv.py, quantized weights in cupy_quant.py, SBI-GeMM and the Deep-Fusion
+linears in cupy_sbi.py, MoE routing in cupy_moe.py. CUDA graphs of decode steps (DeviceStep, DecodeGraph) are in
+cupy_graphs.py.
+
 Routing tables (`route`) stay on the device (backend/cupy_moe.py); only the [E] per-expert counts come to the host.
 `permute`, `unpermute` and `scatter_add_rows` accept host or device index arrays.
 
@@ -20,13 +27,12 @@ S=sequences in the step, L=cached positions read, N=cache slots, Lmax=cache leng
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 
 from ..errors import ConfigError
-from . import cupy_moe, cupy_quant, cupy_sbi, moe_ops
+from . import cupy_attention, cupy_moe, cupy_quant, cupy_sbi, moe_ops
 from .ops import StepLayout
 
 F32 = np.float32
@@ -70,23 +76,6 @@ def _kernel_file_exists(name: str) -> bool:
 
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
 _ACT_CODES = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}     # common.cuh ACT_*
-
-
-@dataclass(frozen=True)
-class DeviceStep(StepLayout):
-    """A decode step whose slots and starts also live in device buffers, with a fixed number of cached positions
-    read (`kv_len`, a bucket >= every sequence's length). `attention` then reads no host metadata, so the step can
-    be captured in a CUDA graph and replayed with new values written into the same buffers (DecodeGraph)."""
-
-    slots_d: object = None       # [S] int64 device
-    starts_d: object = None      # [S] int64 device
-    kv_len: int = 0
-
-    @property
-    def positions(self):
-        """[S] int64 device: one new token per sequence, at its start (the model's rotary and learned-position
-        lookups then gather on the device from the graph's own buffer)."""
-        return self.starts_d
 
 
 class CupyOps:
@@ -295,155 +284,31 @@ class CupyOps:
         out[..., rotary_dim:] = x[..., rotary_dim:]
         return out
 
-    # ---- attention over the KV cache -----------------------------------------------------------------------
+    # ---- attention (backend/cupy_attention.py) ----------------------------------------------------------------
     def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd].
         Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu. A QuantizedKV cache
         and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py."""
-        cp = self.xp
-        if topk or not isinstance(cache_k, cp.ndarray):          # a QuantizedKV cache, or top-k: cupy_kv.py
-            from . import cupy_kv
+        return cupy_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
 
-            return cupy_kv.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
-        if step.num_tokens == 0:
-            return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
-        self._check_cache(cache_k, cache_v)
-        if int((step.starts + step.counts).max()) > cache_k.shape[2]:
-            raise ValueError(f"attention: positions up to {int((step.starts + step.counts).max())} do not fit a "
-                             f"cache of {cache_k.shape[2]}")
-        heads, kv_heads, hd = q.shape[1], cache_k.shape[1], q.shape[2]
-        kernel_shapes = (q.dtype == k.dtype == v.dtype == F32 and heads % kv_heads == 0 and hd <= 128)
-        if step.is_decode:
-            slots, starts, L = self._decode_indices(step, cache_k.shape[2])
-            fn = self._kernel("decode_attention", "decode_attention", NWARPS=4, MAX_HEAD_DIM=128, MAX_GROUP=8)
-            if fn is not None and kernel_shapes and heads // kv_heads <= 8:
-                (q, ldq), (k, ldk), (v, ldv) = self._rows(q), self._rows(k), self._rows(v)
-                S = q.shape[0]
-                out = cp.empty((S, heads * hd), dtype=F32)
-                fn((kv_heads, S), (32, 4), (q, k, v, cache_k, cache_v, slots, starts, out, _i32(heads),
-                                            _i32(kv_heads), _i32(hd), _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk),
-                                            _i64(ldv), _i64(heads * hd), _f32c(scale)))
-                return out
-            self.k.kv_append(cp.ascontiguousarray(k, dtype=F32), cp.ascontiguousarray(v, dtype=F32), slots, starts,
-                             cache_k.shape[1], cache_k.shape[2], cache_k.shape[3], cache_k, cache_v, size=k.size)
-            return self._decode_attention(q, cache_k, cache_v, slots, starts, L, step, scale)
-        append = self._kernel("kv_append", "kv_append", BLOCK=128)
-        attend = self._kernel("prefill_attention", "prefill_attention", NWARPS=4, ROWS_PER_WARP=4,
-                              MAX_HEAD_DIM=128, KT=32)
-        if append is not None and attend is not None and kernel_shapes and heads // kv_heads <= 16:
-            return self._prefill_kernels(append, attend, q, k, v, cache_k, cache_v, step, scale)
-        out = cp.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
-        for s in range(step.num_seqs):
-            a, b = step.token_range(s)
-            slot, start = int(step.slots[s]), int(step.starts[s])
-            cache_k[slot, :, start:start + b - a] = k[a:b].transpose(1, 0, 2)
-            cache_v[slot, :, start:start + b - a] = v[a:b].transpose(1, 0, 2)
-            out[a:b] = self._causal_attention(q[a:b], cache_k[slot], cache_v[slot], start, scale)
-        return out
+    def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):
+        """As NumpyOps.bidirectional_attention (encoders, no KV cache). q [T, H, hd], k, v [T, Hkv, hd] ->
+        [T, H*hd]. Kernels: kv_append + prefill_attention.cu with CAUSAL=0."""
+        return cupy_attention.bidirectional_attention(self, q, k, v, step, scale)
 
-    def _prefill_kernels(self, append, attend, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
-        """kv_append then prefill_attention over packed sequences (offsets [S+1] on the device)."""
-        cp = self.xp
-        heads, kv_heads, hd, lmax = q.shape[1], cache_k.shape[1], q.shape[2], cache_k.shape[2]
-        S, most = step.num_seqs, int(step.counts.max())
-        slots, starts = cp.asarray(step.slots, dtype=np.int64), cp.asarray(step.starts, dtype=np.int64)
-        offsets = cp.asarray(step.offsets, dtype=np.int64)                              # [S + 1]
-        (q, ldq), (k, ldk), (v, ldv) = self._rows(q), self._rows(k), self._rows(v)
-        append((most, S), (128,), (k, v, cache_k, cache_v, slots, starts, offsets, _i32(kv_heads), _i32(hd),
-                                   _i32(lmax), _i64(ldk), _i64(ldv)))
-        out = cp.empty((q.shape[0], heads * hd), dtype=F32)
-        per_block = 16 // (heads // kv_heads)                                           # (NWARPS * ROWS_PER_WARP) / g
-        attend((kv_heads, -(-most // per_block), S), (32, 4),
-               (q, cache_k, cache_v, slots, starts, offsets, out, _i32(heads), _i32(kv_heads), _i32(hd), _i32(lmax),
-                _i64(ldq), _i64(heads * hd), _f32c(scale)))
-        return out
-
-    @staticmethod
-    def _check_cache(cache_k, cache_v):
-        for array in (cache_k, cache_v):
-            if array.dtype != F32 or not array.flags.c_contiguous:
-                raise ValueError(f"attention: the KV cache must be contiguous float32, got {array.dtype} "
-                                 f"(contiguous: {array.flags.c_contiguous})")
+    # the helpers cupy_kv.py and kv_attention.py call on the ops
+    _check_cache = staticmethod(cupy_attention.check_cache)
 
     def _decode_indices(self, step: StepLayout, lmax: int):
-        """(slots [S], starts [S] as device int64, positions read L): a DeviceStep's own buffers and bucket, or
-        the host layout's uploaded with L = the longest sequence."""
-        if isinstance(step, DeviceStep) and step.slots_d is not None:
-            return step.slots_d, step.starts_d, min(int(step.kv_len), lmax)
-        cp = self.xp
-        return (cp.asarray(step.slots, dtype=np.int64), cp.asarray(step.starts, dtype=np.int64),
-                int(step.starts.max()) + 1)
-
-    def _decode_attention(self, q, cache_k, cache_v, slots, starts, L: int, step: StepLayout, scale: float):
-        """One new token per sequence, batched: q [S, H, hd] -> [S, H*hd]. Reads no host value when `step` is a
-        DeviceStep (graph-capturable)."""
-        cp = self.xp
-        S, heads, hd = q.shape
-        kv_heads = cache_k.shape[1]
-        first = int(step.slots[0]) if not isinstance(step, DeviceStep) else -1
-        if first >= 0 and np.array_equal(step.slots, np.arange(first, first + S)):   # a view, no copy
-            keys, values = cache_k[first:first + S, :, :L], cache_v[first:first + S, :, :L]
-        else:
-            keys, values = cache_k[slots, :, :L], cache_v[slots, :, :L]              # [S, Hkv, L, hd]
-        qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)             # [S, Hkv, g, hd]
-        scores = cp.matmul(qg, keys.transpose(0, 1, 3, 2))                            # [S, Hkv, g, L]
-        visible = cp.arange(L)[None, :] < (starts + 1)[:, None]                      # [S, L]
-        scores += cp.where(visible, F32(0), F32(-np.inf))[:, None, None, :]
-        out = cp.matmul(_softmax(cp, scores), values)                                 # [S, Hkv, g, hd]
-        return out.reshape(S, heads * hd)
+        return cupy_attention.decode_indices(self, step, lmax)
 
     def _causal_attention(self, q, k_seq, v_seq, start: int, scale: float):
-        """One sequence: q [n, H, hd] at positions start..start+n-1; k_seq, v_seq [Hkv, Lmax, hd] -> [n, H*hd]."""
-        cp = self.xp
-        n, heads, hd = q.shape
-        kv_heads = k_seq.shape[0]
-        group, length = heads // kv_heads, start + n
-        qg = (q * F32(scale)).transpose(1, 0, 2).reshape(kv_heads, group * n, hd)    # [Hkv, g*n, hd]
-        scores = cp.matmul(qg, k_seq[:, :length].transpose(0, 2, 1)).reshape(kv_heads, group, n, length)
-        if n > 1:
-            future = cp.arange(length)[None, :] > (start + cp.arange(n))[:, None]   # [n, L]
-            scores += cp.where(future, F32(-np.inf), F32(0))
-        probs = _softmax(cp, scores).reshape(kv_heads, group * n, length)
-        out = cp.matmul(probs, v_seq[:, :length])                                     # [Hkv, g*n, hd]
-        return out.reshape(heads, n, hd).transpose(1, 0, 2).reshape(n, heads * hd)
-
-    # ---- encoder attention (no KV cache) ----------------------------------------------------------------------
-    def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):
-        """As NumpyOps.bidirectional_attention. q [T, H, hd], k, v [T, Hkv, hd] -> [T, H*hd]. Kernels: kv_append
-        packs each sequence's K and V into a scratch cache [S, Hkv, L, hd], then prefill_attention.cu with
-        CAUSAL=0 (tiled online softmax, no [S, H, L, L] scores); CuPy array code where the kernels do not fit."""
-        cp = self.xp
-        T, heads, hd = q.shape
-        append = self._kernel("kv_append", "kv_append", BLOCK=128)
-        attend = self._kernel("prefill_attention", "prefill_attention", NWARPS=4, ROWS_PER_WARP=4,
-                              MAX_HEAD_DIM=128, KT=32, CAUSAL=0)
-        kv_heads = k.shape[1]
-        if (T and append is not None and attend is not None and q.dtype == k.dtype == v.dtype == F32 and
-                heads % kv_heads == 0 and heads // kv_heads <= 16 and hd <= 128):
-            S, L = step.num_seqs, int(step.counts.max())
-            packed = StepLayout.build(np.arange(S), np.zeros(S), step.counts)        # slot s, from position 0
-            cache_k, cache_v = (cp.empty((S, kv_heads, L, hd), dtype=F32) for _ in range(2))
-            return self._prefill_kernels(append, attend, q, k, v, cache_k, cache_v, packed, scale)
-        lengths = step.counts
-        S, L = len(lengths), int(lengths.max()) if len(lengths) else 0
-        if T == 0:
-            return cp.zeros((0, heads * hd), dtype=F32)
-        ragged = bool(np.any(lengths != L))
-        if ragged:
-            index = cp.asarray(np.minimum(step.offsets[:-1, None] + np.arange(L)[None, :], T - 1))   # [S, L]
-            valid = cp.asarray(np.arange(L)[None, :] < lengths[:, None])
-            q, k, v = q[index], k[index], v[index]                                 # [S, L, H, hd]
-        q, k, v = (a.reshape(S, L, heads, hd).transpose(0, 2, 1, 3) for a in (q, k, v))   # [S, H, L, hd]
-        scores = cp.matmul(q * F32(scale), k.transpose(0, 1, 3, 2))                # [S, H, L, L]
-        if ragged:
-            scores += cp.where(valid, F32(0), F32(-np.inf))[:, None, None, :]
-        out = cp.matmul(_softmax(cp, scores), v).transpose(0, 2, 1, 3).reshape(S, L, heads * hd)
-        return out[valid] if ragged else out.reshape(T, heads * hd)
+        return cupy_attention.causal_attention(self, q, k_seq, v_seq, start, scale)
 
     # ---- mixture of experts --------------------------------------------------------------------------------
     def softmax(self, x):
-        return _softmax(self.xp, self.xp.array(x, dtype=F32))
+        return cupy_attention.softmax(self.xp, self.xp.array(x, dtype=F32))
 
     def top_k_gating(self, logits, k: int, normalize: str):
         """logits [T, E] -> (experts [T, K] int64, weights [T, K] float32), on the device; same order and ties
@@ -485,6 +350,16 @@ class CupyOps:
     def permute(self, x, routing):
         """x [T, D] -> rows [R, D] grouped by expert (a gather). Kernel: moe_permute."""
         return cupy_moe.permute(self, x, routing)
+
+    def gate_dispatch(self, logits, x, k: int, normalize: str, num_experts: int, capacity):
+        """top_k_gating + route + permute -> (routing, rows [R, D]); one launch of moe_gate_dispatch (the paper's
+        fused gating kernel) for up to cupy_moe.FUSED_MAX_TOKENS tokens, else the three ops."""
+        fused = (cupy_moe.gate_dispatch(self, logits, x, k, normalize, num_experts, capacity)
+                 if logits.shape[0] <= cupy_moe.FUSED_MAX_TOKENS else None)
+        if fused is None:
+            return moe_ops.gate_and_dispatch(self, logits, x, k, normalize, num_experts, capacity)
+        _, _, routing, rows = fused
+        return routing, rows
 
     def unpermute(self, rows, routing, tokens: int):
         """rows [R, D] -> out [T, D]: per token, the sum over its kept choices (in choice order) of weight * row;
@@ -562,13 +437,6 @@ class CupyOps:
         return max(1, min(-(-work // block), 32 * self._sm_count))
 
 
-def _softmax(cp, scores):
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    cp.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    return scores
-
-
 _ACTIVATIONS = {   # f({x}) in CUDA C; gelu in double, as NumPy evaluates it (x / np.sqrt(2.0) is float64)
     "gelu": "(float)(0.5 * (double){x} * (1.0 + erf((double){x} / 1.4142135623730951)))",
     "gelu_tanh": "0.5f * {x} * (1.0f + tanhf(0.7978845608028654f * ({x} + 0.044715f * {x} * {x} * {x})))",
@@ -608,101 +476,3 @@ def _elementwise_kernels(cp):
         cache_v[dst] = v[i];
         """, "hpcinfer_kv_append")
     return k
-
-
-# ------------------------------------------------------------------------------------------------- CUDA graphs
-
-def kv_bucket(length: int, smallest: int = 64) -> int:
-    """Positions a captured decode step reads: the next power of two >= length (at least `smallest`), so a
-    generation of n tokens needs about log2(n) graphs per batch size."""
-    bucket = smallest
-    while bucket < length:
-        bucket *= 2
-    return bucket
-
-
-@dataclass
-class _Captured:
-    graph: object
-    inputs: dict                 # name -> static device buffer the graph reads
-    slots: object                # [S] int64 static device buffer
-    starts: object               # [S] int64 static device buffer
-    output: object               # static device buffer the graph writes
-
-
-class DecodeGraph:
-    """Capture a decode step once per (batch size, KV-length bucket) with CUDA stream capture; replay it after
-    copying the new inputs into the captured (static) buffers.
-
-    `step_fn(inputs, step)` must compute the step from device arrays only: `inputs` (name -> device array, same
-    shapes and dtypes at every call of one key) and `step` (a DeviceStep: its device slots/starts and kv_len are
-    what attention reads; its host fields hold the capture-time values and must not steer the computation).
-    Constraints (checked by CUDA at capture, where possible):
-    - no host <-> device copy, no host sync (`int(x)`, boolean masks, `.get()`, `cupy.asarray(numpy)`) inside:
-      the model reads the step's positions from `DeviceStep.positions` (device; rotary and learned positions
-      gather on the device), the token ids from `inputs`, and takes no last-token gather in a decode step
-      (generate/graphs.py drives it; tests/test_cuda_graphs.py checks it on the CPU fake of cupy);
-    - the step must be idempotent for equal inputs: the first call runs it eagerly (a warm-up that compiles
-      kernels and lets cuBLAS allocate), then captures, then replays, so the KV append happens twice at the same
-      position with the same values;
-    - collectives inside are allowed only over NCCL (they are captured on the capture stream; every rank of the
-      communicator must replay the same graphs in the same order, which holds when all tp ranks step together);
-      MPI calls (comm = "mpi") cannot be captured;
-    - memory allocated during capture comes from a pool private to this object and stays reserved while it
-      lives; the returned output is a static buffer, overwritten by the next replay of the same key.
-    """
-
-    def __init__(self, ops: CupyOps, smallest_bucket: int = 64):
-        cp = ops.xp
-        self.ops, self.smallest_bucket = ops, smallest_bucket
-        self.pool = cp.cuda.MemoryPool()
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        self.captured: dict[tuple, _Captured] = {}
-
-    def key(self, starts) -> tuple[int, int]:
-        starts = np.asarray(starts)
-        return len(starts), kv_bucket(int(starts.max()) + 1, self.smallest_bucket)
-
-    def __call__(self, step_fn, inputs: dict, slots, starts):
-        """Run the decode step for sequences `slots` (host [S]) at positions `starts` (host [S]) with `inputs`;
-        returns the step's output (a static device buffer; copy it to keep it past the next replay)."""
-        cp = self.ops.xp
-        key = self.key(starts)
-        entry = self.captured.get(key)
-        if entry is None:
-            entry = self._capture(key, step_fn, inputs, slots, starts)
-        for name, value in inputs.items():
-            if isinstance(value, cp.ndarray):
-                cp.copyto(entry.inputs[name], value)
-            else:
-                entry.inputs[name].set(np.ascontiguousarray(value, dtype=entry.inputs[name].dtype))
-        entry.slots.set(np.asarray(slots, dtype=np.int64))
-        entry.starts.set(np.asarray(starts, dtype=np.int64))
-        entry.graph.launch(stream=cp.cuda.get_current_stream())
-        return entry.output
-
-    def _capture(self, key, step_fn, inputs, slots, starts) -> _Captured:
-        cp = self.ops.xp
-        S, kv_len = key
-        static = {name: cp.array(value, copy=True) for name, value in inputs.items()}     # host or device
-        slots_d = cp.asarray(np.asarray(slots, dtype=np.int64))
-        starts_d = cp.asarray(np.asarray(starts, dtype=np.int64))
-        step = DeviceStep(np.asarray(slots, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-                          np.ones(S, dtype=np.int64), slots_d, starts_d, kv_len)
-        step_fn(static, step)                                        # warm-up, eager
-        cp.cuda.get_current_stream().synchronize()
-        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
-            self.stream.begin_capture()
-            try:
-                output = step_fn(static, step)
-            except Exception as exc:
-                try:
-                    self.stream.end_capture()
-                except Exception:  # noqa: BLE001 - the capture is already broken; report the first error
-                    pass
-                raise RuntimeError(f"decode step for batch {S}, KV bucket {kv_len} cannot be captured in a CUDA "
-                                   f"graph: {exc}") from exc
-            graph = self.stream.end_capture()
-        entry = _Captured(graph, static, slots_d, starts_d, output)
-        self.captured[key] = entry
-        return entry

@@ -141,6 +141,15 @@ def route(experts: np.ndarray, weights: np.ndarray, num_experts: int, capacity: 
     )
 
 
+def gate_and_dispatch(ops, logits, x, k: int, normalize: str, num_experts: int, capacity: int | None):
+    """Gating, routing and the scatter of the token rows into expert order as three Ops calls -> (routing, rows
+    [R, D] grouped by expert): what Ops.gate_dispatch stands for (CupyOps fuses it into one launch for
+    decode-sized steps, backend/cupy_moe.gate_dispatch)."""
+    experts, weights = ops.top_k_gating(logits, k, normalize)                    # [T, K]
+    routing = ops.route(experts, weights, num_experts, capacity)
+    return routing, ops.permute(x, routing)                                       # [R, D]
+
+
 def expert_segments(expert_counts: np.ndarray) -> np.ndarray:
     """[E] rows per expert -> [E + 1] offsets: expert e's rows are [offsets[e], offsets[e + 1])."""
     offsets = np.zeros(len(expert_counts) + 1, dtype=np.int64)

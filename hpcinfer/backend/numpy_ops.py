@@ -260,6 +260,10 @@ class NumpyOps:
     def permute(self, x, routing):
         return moe_ops.permute(x, routing)
 
+    def gate_dispatch(self, logits, x, k: int, normalize: str, num_experts: int, capacity):
+        """top_k_gating + route + permute -> (routing, rows [R, D] grouped by expert)."""
+        return moe_ops.gate_and_dispatch(self, logits, x, k, normalize, num_experts, capacity)
+
     def unpermute(self, rows, routing, tokens: int):
         return moe_ops.unpermute(rows, routing, tokens)
 

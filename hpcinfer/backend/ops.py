@@ -96,6 +96,7 @@ class Ops(Protocol):
     def top_k_gating(self, logits, k: int, normalize: str): ...      # [T, E] -> experts [T, K], weights [T, K]
     def route(self, experts, weights, num_experts: int, capacity): ...   # -> moe_ops.Routing
     def permute(self, x, routing): ...                               # [T, D] -> rows grouped by expert [R, D]
+    def gate_dispatch(self, logits, x, k: int, normalize: str, num_experts: int, capacity): ...  # -> routing, rows
     def unpermute(self, rows, routing, tokens: int): ...             # [R, D] -> weighted sum per token [T, D]
     def scatter_add_rows(self, out, index, rows) -> None: ...
 

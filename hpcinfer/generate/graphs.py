@@ -1,7 +1,7 @@
 """CUDA graphs in the decode schedule (`[runtime] cuda_graphs`; docs/gpu.md, Options).
 
 A pure decode step (one new token per sequence) of one pipeline stage runs through a `DecodeGraph`
-(backend/cupy_ops.py): captured once per (micro-batch size, KV-length bucket) and replayed after its inputs (token
+(backend/cupy_graphs.py): captured once per (micro-batch size, KV-length bucket) and replayed after its inputs (token
 ids, or the activations from the previous stage) and the sequences' slots and positions are copied into the graph's
 static device buffers. Prompt steps stay eager. The output (logits [S, V] on the last stage, activations [S, D]
 before it) is the graph's static buffer: the schedule copies it to the host for sampling, or sends it to the next
@@ -34,7 +34,7 @@ class DecodeGraphs:
     """The captured decode steps of one batch (one KV cache) on one stage, keyed by (sequences, KV bucket)."""
 
     def __init__(self, model, cache):
-        from ..backend.cupy_ops import DecodeGraph
+        from ..backend.cupy_graphs import DecodeGraph
 
         self.model, self.cache = model, cache
         self.graph = DecodeGraph(model.ops)
@@ -72,8 +72,8 @@ def check_model(config, arch, ops) -> None:
         return
     if any(arch.moe_experts):
         raise ConfigError(f"{config.path}: runtime.cuda_graphs = true cannot capture MoE layers (this {arch.family} "
-                          f"model has {sum(1 for e in arch.moe_experts if e)}): their routing tables go to the host "
-                          f"every step; set cuda_graphs = false")
+                          f"model has {sum(1 for e in arch.moe_experts if e)}): their per-expert row counts go to "
+                          f"the host every step; set cuda_graphs = false")
     if ops.name != "cupy":
         log.info("runtime.cuda_graphs = true is ignored: backend = \"%s\" resolved to %s (no GPU here)",
                  config.runtime.backend, ops.name)

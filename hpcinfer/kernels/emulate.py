@@ -5,7 +5,7 @@ turn, one fiber per CUDA thread, barriers for __syncthreads and warp shuffles) i
 under build/kernel-emu/ by a hash of the sources, defines and flags; `module.launch(function, grid, block, *args)`
 runs one kernel. Arguments follow the kernel's C signature, read from the source: NumPy arrays (or None, a null
 pointer) for pointers, Python numbers for scalars. `build_source(code, defines)` does the same for a source text
-(what tests/emu_cupy.py, a CPU stand-in for cupy, gets from cupy.RawModule and ElementwiseKernel).
+(what tests/emu_cupy/, a CPU stand-in for cupy, gets from cupy.RawModule and ElementwiseKernel).
 
 This checks indexing, reductions, masking, tails and the epilogues; it says nothing about speed, and it is no
 memory-model checker (a missing __syncthreads can pass here): the GPU parity tests and compute-sanitizer are the
@@ -133,7 +133,7 @@ def build(name: str, defines: dict | None = None) -> EmulatedModule:
 def build_source(code: str, defines: dict | None = None, label: str = "source",
                  options: list[str] | tuple[str, ...] = ()) -> EmulatedModule:
     """A CUDA source text (local includes inlined, as loader.kernel_source gives it, or self-contained) compiled
-    for the CPU emulator with `defines` and extra -D `options` (cached like build). tests/emu_cupy.py compiles
+    for the CPU emulator with `defines` and extra -D `options` (cached like build). tests/emu_cupy/ compiles
     what cupy.RawModule and cupy.ElementwiseKernel are given through this."""
     options = [*define_options(defines), *options]
     bad = [o for o in options if not o.startswith("-D")]

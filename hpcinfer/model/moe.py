@@ -32,11 +32,11 @@ class MoE:
 
     def __call__(self, x):                                       # x [T, D] -> [T, D]
         logits = self.ops.linear(x, self.router.value)           # [T, E]
-        experts, weights = self.ops.top_k_gating(logits, self.arch.moe_top_k, self.arch.moe_normalize)  # [T, K]
         capacity = (capacity_for(x.shape[0], self.num_experts, self.capacity_factor, self.arch.moe_min_capacity)
                     if self.capacity_factor > 0 else None)
-        routing = self.ops.route(experts, weights, self.num_experts, capacity)
-        y = self.dispatch(x, routing, self.experts)              # [T, D]
+        routing, rows = self.ops.gate_dispatch(logits, x, self.arch.moe_top_k, self.arch.moe_normalize,
+                                               self.num_experts, capacity)   # top-k, tables, rows [R, D]
+        y = self.dispatch(x, routing, self.experts, rows)        # [T, D]
         if self.residual is None:
             return y
         coef = self.ops.softmax(self.ops.linear(x, self.coef_w.value, self.coef_b.value))       # [T, 2]

@@ -36,8 +36,9 @@ class Dispatcher:
         self.exchange = make_all_to_all(kind, self.group, nodes)
         self.all_local = groups.stage.size == 1                   # ep = expert_tp = 1: every expert is here
 
-    def __call__(self, x, routing, experts):                     # x [T, D] -> combined expert output [T, D]
-        rows = self.ops.permute(x, routing)                      # [R, D], grouped by expert
+    def __call__(self, x, routing, experts, rows=None):          # x [T, D] -> combined expert output [T, D]
+        if rows is None:                                         # rows: x permuted by the routing already
+            rows = self.ops.permute(x, routing)                  # [R, D], grouped by expert
         if self.all_local:                                       # rows already grouped by expert: no sort
             out = experts(rows, routing.expert_of_row - experts.first_expert, routing.expert_counts)
             return self.ops.unpermute(out, routing, x.shape[0])

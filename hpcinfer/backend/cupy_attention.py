@@ -1,0 +1,183 @@
+"""CuPy attention without quantization: the bodies of CupyOps.attention (append to a float32 KV cache, then causal
+attention over each sequence's cached positions) and CupyOps.bidirectional_attention (encoders, no cache), as
+functions of the ops (their `xp`, `k` elementwise kernels, `_kernel` and `_rows`); CupyOps delegates here.
+NumpyOps.attention / bidirectional_attention are the spec.
+
+Decode (one new token per sequence): decode_attention.cu with the append fused, or kv_append + batched CuPy array
+code; a DeviceStep (cupy_graphs.py) is read from its device buffers only, so the step can be captured in a CUDA
+graph. Prefill: kv_append.cu + prefill_attention.cu over packed sequences, or CuPy array code per sequence.
+Encoders: kv_append packs each sequence into a scratch cache, then prefill_attention.cu with CAUSAL=0.
+A QuantizedKV cache, and top-k decode, go to cupy_kv.py.
+
+Shape legend: T=tokens (all sequences of a step, packed), H=query heads, Hkv=KV heads, g=H/Hkv, hd=head dim,
+S=sequences in the step, n=new tokens of one sequence, L=cached positions read, N=cache slots, Lmax=cache length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cupy_graphs import DeviceStep
+from .ops import StepLayout
+
+F32 = np.float32
+_i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
+
+
+def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
+    """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
+    q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd].
+    Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu. A QuantizedKV cache
+    and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py."""
+    cp = ops.xp
+    if topk or not isinstance(cache_k, cp.ndarray):          # a QuantizedKV cache, or top-k: cupy_kv.py
+        from . import cupy_kv
+
+        return cupy_kv.attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)
+    if step.num_tokens == 0:
+        return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
+    check_cache(cache_k, cache_v)
+    if int((step.starts + step.counts).max()) > cache_k.shape[2]:
+        raise ValueError(f"attention: positions up to {int((step.starts + step.counts).max())} do not fit a "
+                         f"cache of {cache_k.shape[2]}")
+    heads, kv_heads, hd = q.shape[1], cache_k.shape[1], q.shape[2]
+    kernel_shapes = (q.dtype == k.dtype == v.dtype == F32 and heads % kv_heads == 0 and hd <= 128)
+    if step.is_decode:
+        slots, starts, L = decode_indices(ops, step, cache_k.shape[2])
+        fn = ops._kernel("decode_attention", "decode_attention", NWARPS=4, MAX_HEAD_DIM=128, MAX_GROUP=8)
+        if fn is not None and kernel_shapes and heads // kv_heads <= 8:
+            (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
+            S = q.shape[0]
+            out = cp.empty((S, heads * hd), dtype=F32)
+            fn((kv_heads, S), (32, 4), (q, k, v, cache_k, cache_v, slots, starts, out, _i32(heads),
+                                        _i32(kv_heads), _i32(hd), _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk),
+                                        _i64(ldv), _i64(heads * hd), _f32c(scale)))
+            return out
+        ops.k.kv_append(cp.ascontiguousarray(k, dtype=F32), cp.ascontiguousarray(v, dtype=F32), slots, starts,
+                        cache_k.shape[1], cache_k.shape[2], cache_k.shape[3], cache_k, cache_v, size=k.size)
+        return _decode_attention(ops, q, cache_k, cache_v, slots, starts, L, step, scale)
+    append = ops._kernel("kv_append", "kv_append", BLOCK=128)
+    attend = ops._kernel("prefill_attention", "prefill_attention", NWARPS=4, ROWS_PER_WARP=4,
+                         MAX_HEAD_DIM=128, KT=32)
+    if append is not None and attend is not None and kernel_shapes and heads // kv_heads <= 16:
+        return _prefill_kernels(ops, append, attend, q, k, v, cache_k, cache_v, step, scale)
+    out = cp.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
+    for s in range(step.num_seqs):
+        a, b = step.token_range(s)
+        slot, start = int(step.slots[s]), int(step.starts[s])
+        cache_k[slot, :, start:start + b - a] = k[a:b].transpose(1, 0, 2)
+        cache_v[slot, :, start:start + b - a] = v[a:b].transpose(1, 0, 2)
+        out[a:b] = causal_attention(ops, q[a:b], cache_k[slot], cache_v[slot], start, scale)
+    return out
+
+
+def _prefill_kernels(ops, append, attend, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
+    """kv_append then prefill_attention over packed sequences (offsets [S+1] on the device)."""
+    cp = ops.xp
+    heads, kv_heads, hd, lmax = q.shape[1], cache_k.shape[1], q.shape[2], cache_k.shape[2]
+    S, most = step.num_seqs, int(step.counts.max())
+    slots, starts = cp.asarray(step.slots, dtype=np.int64), cp.asarray(step.starts, dtype=np.int64)
+    offsets = cp.asarray(step.offsets, dtype=np.int64)                              # [S + 1]
+    (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
+    append((most, S), (128,), (k, v, cache_k, cache_v, slots, starts, offsets, _i32(kv_heads), _i32(hd),
+                               _i32(lmax), _i64(ldk), _i64(ldv)))
+    out = cp.empty((q.shape[0], heads * hd), dtype=F32)
+    per_block = 16 // (heads // kv_heads)                                           # (NWARPS * ROWS_PER_WARP) / g
+    attend((kv_heads, -(-most // per_block), S), (32, 4),
+           (q, cache_k, cache_v, slots, starts, offsets, out, _i32(heads), _i32(kv_heads), _i32(hd), _i32(lmax),
+            _i64(ldq), _i64(heads * hd), _f32c(scale)))
+    return out
+
+
+def check_cache(cache_k, cache_v):
+    """A float KV cache is contiguous float32, as the kernels and the fallback index it."""
+    for array in (cache_k, cache_v):
+        if array.dtype != F32 or not array.flags.c_contiguous:
+            raise ValueError(f"attention: the KV cache must be contiguous float32, got {array.dtype} "
+                             f"(contiguous: {array.flags.c_contiguous})")
+
+
+def decode_indices(ops, step: StepLayout, lmax: int):
+    """(slots [S], starts [S] as device int64, positions read L): a DeviceStep's own buffers and bucket, or
+    the host layout's uploaded with L = the longest sequence."""
+    if isinstance(step, DeviceStep) and step.slots_d is not None:
+        return step.slots_d, step.starts_d, min(int(step.kv_len), lmax)
+    cp = ops.xp
+    return (cp.asarray(step.slots, dtype=np.int64), cp.asarray(step.starts, dtype=np.int64),
+            int(step.starts.max()) + 1)
+
+
+def _decode_attention(ops, q, cache_k, cache_v, slots, starts, L: int, step: StepLayout, scale: float):
+    """One new token per sequence, batched: q [S, H, hd] -> [S, H*hd]. Reads no host value when `step` is a
+    DeviceStep (graph-capturable)."""
+    cp = ops.xp
+    S, heads, hd = q.shape
+    kv_heads = cache_k.shape[1]
+    first = int(step.slots[0]) if not isinstance(step, DeviceStep) else -1
+    if first >= 0 and np.array_equal(step.slots, np.arange(first, first + S)):   # a view, no copy
+        keys, values = cache_k[first:first + S, :, :L], cache_v[first:first + S, :, :L]
+    else:
+        keys, values = cache_k[slots, :, :L], cache_v[slots, :, :L]              # [S, Hkv, L, hd]
+    qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)             # [S, Hkv, g, hd]
+    scores = cp.matmul(qg, keys.transpose(0, 1, 3, 2))                            # [S, Hkv, g, L]
+    visible = cp.arange(L)[None, :] < (starts + 1)[:, None]                      # [S, L]
+    scores += cp.where(visible, F32(0), F32(-np.inf))[:, None, None, :]
+    out = cp.matmul(softmax(cp, scores), values)                                 # [S, Hkv, g, hd]
+    return out.reshape(S, heads * hd)
+
+
+def causal_attention(ops, q, k_seq, v_seq, start: int, scale: float):
+    """One sequence: q [n, H, hd] at positions start..start+n-1; k_seq, v_seq [Hkv, Lmax, hd] -> [n, H*hd]."""
+    cp = ops.xp
+    n, heads, hd = q.shape
+    kv_heads = k_seq.shape[0]
+    group, length = heads // kv_heads, start + n
+    qg = (q * F32(scale)).transpose(1, 0, 2).reshape(kv_heads, group * n, hd)    # [Hkv, g*n, hd]
+    scores = cp.matmul(qg, k_seq[:, :length].transpose(0, 2, 1)).reshape(kv_heads, group, n, length)
+    if n > 1:
+        future = cp.arange(length)[None, :] > (start + cp.arange(n))[:, None]   # [n, L]
+        scores += cp.where(future, F32(-np.inf), F32(0))
+    probs = softmax(cp, scores).reshape(kv_heads, group * n, length)
+    out = cp.matmul(probs, v_seq[:, :length])                                     # [Hkv, g*n, hd]
+    return out.reshape(heads, n, hd).transpose(1, 0, 2).reshape(n, heads * hd)
+
+
+def bidirectional_attention(ops, q, k, v, step: StepLayout, scale: float):
+    """As NumpyOps.bidirectional_attention. q [T, H, hd], k, v [T, Hkv, hd] -> [T, H*hd]. Kernels: kv_append
+    packs each sequence's K and V into a scratch cache [S, Hkv, L, hd], then prefill_attention.cu with
+    CAUSAL=0 (tiled online softmax, no [S, H, L, L] scores); CuPy array code where the kernels do not fit."""
+    cp = ops.xp
+    T, heads, hd = q.shape
+    append = ops._kernel("kv_append", "kv_append", BLOCK=128)
+    attend = ops._kernel("prefill_attention", "prefill_attention", NWARPS=4, ROWS_PER_WARP=4,
+                         MAX_HEAD_DIM=128, KT=32, CAUSAL=0)
+    kv_heads = k.shape[1]
+    if (T and append is not None and attend is not None and q.dtype == k.dtype == v.dtype == F32 and
+            heads % kv_heads == 0 and heads // kv_heads <= 16 and hd <= 128):
+        S, L = step.num_seqs, int(step.counts.max())
+        packed = StepLayout.build(np.arange(S), np.zeros(S), step.counts)        # slot s, from position 0
+        cache_k, cache_v = (cp.empty((S, kv_heads, L, hd), dtype=F32) for _ in range(2))
+        return _prefill_kernels(ops, append, attend, q, k, v, cache_k, cache_v, packed, scale)
+    lengths = step.counts
+    S, L = len(lengths), int(lengths.max()) if len(lengths) else 0
+    if T == 0:
+        return cp.zeros((0, heads * hd), dtype=F32)
+    ragged = bool(np.any(lengths != L))
+    if ragged:
+        index = cp.asarray(np.minimum(step.offsets[:-1, None] + np.arange(L)[None, :], T - 1))   # [S, L]
+        valid = cp.asarray(np.arange(L)[None, :] < lengths[:, None])
+        q, k, v = q[index], k[index], v[index]                                 # [S, L, H, hd]
+    q, k, v = (a.reshape(S, L, heads, hd).transpose(0, 2, 1, 3) for a in (q, k, v))   # [S, H, L, hd]
+    scores = cp.matmul(q * F32(scale), k.transpose(0, 1, 3, 2))                # [S, H, L, L]
+    if ragged:
+        scores += cp.where(valid, F32(0), F32(-np.inf))[:, None, None, :]
+    out = cp.matmul(softmax(cp, scores), v).transpose(0, 2, 1, 3).reshape(S, L, heads * hd)
+    return out[valid] if ragged else out.reshape(T, heads * hd)
+
+
+def softmax(cp, scores):
+    """Softmax over the last axis (into a new array; `scores` is left as it is)."""
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    cp.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores

@@ -1,0 +1,190 @@
+"""A CPU stand-in for cupy, so that the CuPy backend (hpcinfer/backend/cupy_ops.py) and its cuda_src/ kernels run,
+and are tested, on a machine with no GPU.
+
+What it is: a fake `cupy` module (and `cupy.cuda`, `cupyx`) over NumPy. Device arrays are `ndarray` objects that
+wrap a NumPy array (their "device memory"); NumPy arrays are host arrays. As cupy's, device arrays are not
+`np.ndarray` instances (a subclass would let `isinstance(x, np.ndarray)` host checks and `np.asarray(x)` pass here
+and fail on a GPU); a test may peek at the memory as `x._a` without a transfer. Kernels are really run:
+`RawModule(code=..., options=...)` compiles the *given source* with its -D options for the CPU emulator
+(hpcinfer.kernels.emulate: g++ + cuda_src/emu/cuda_emu.h, one fiber per CUDA thread, cached under
+build/kernel-emu/), and `ElementwiseKernel` turns its CUDA snippet into a kernel (a grid-stride loop over i; raw
+params are pointers, other arrays are indexed by i, scalars by value) compiled the same way: the real snippets run.
+
+Use it (pytest; tests/ is on sys.path through conftest.py):
+    # the fixture `emu_cupy` (tests/conftest.py, function scope) yields the fake module:
+    def test_x(emu_cupy): ops = CupyOps(device=0)       # or make_ops("cupy", 0); nests in installed()
+    import emu_cupy as emu                              # any scope: `with emu.installed() as cp:` (module fixtures),
+    emu.install(monkeypatch, devices=1, sm_count=2)     # or with a MonkeyPatch; both return the fake module
+    # a whole GPU-only test module on the fake, as a plugin (CLI subprocesses do not see the fake: deselect them):
+    #   PYTHONPATH=tests .venv/bin/python -m pytest -p emu_cupy tests/test_cupy_ops.py -k "not smollm2 and not cli"
+
+What it checks, as a GPU would refuse it:
+- host/device separation: `np.asarray(device_array)` raises (as cupy), mixing host NumPy arrays into device math
+  raises TypeError, device arrays are not `np.ndarray`; `cp.empty` memory starts as 0xFF bytes (NaN, -1) so an
+  op that leaves part of its output unwritten shows it;
+- kernel launches: argument count, pointer dtypes against the kernel's C types (T_STORAGE / T_ACT from the -D
+  options), scalar sizes (cupy passes a numpy scalar's bytes as they are, a Python int as int64, a float as
+  float64: `int` params need np.int32, `long long` np.int64, `float` np.float32), host arrays given as pointers,
+  the emulator's deadlock check (a __syncthreads or shuffle not reached by every thread), and bounds: a kernel
+  gets each array's whole allocation between 4 KiB margins of 0xFF bytes, so a read just past it reads NaN / -1
+  and a write past it is reported;
+- ElementwiseKernel: its snippet compiles as C++ and array dtypes equal the declared ones ("Type is mismatched");
+- CUDA graphs: while a stream captures, every device computation runs AND is recorded (a closure writing the same
+  output memory); views are not recorded. Host <-> device transfers and syncs inside capture (`cp.asarray(host)`,
+  `.get()`, `.set()`, `synchronize()`, `int()`/`bool()`/`float()` of a device array, host index arrays, boolean
+  mask indexing, nonzero/unique, ...)
+  raise `cuda.runtime.CUDARuntimeError` (cudaErrorStreamCaptureUnsupported) and invalidate the capture (its
+  end_capture raises too); device work on another stream during a capture raises cudaErrorStreamCaptureImplicit.
+  `end_capture()` returns a Graph whose `launch()` replays the closures in order with the same memory and the same
+  scalars, as a CUDA graph does: a value baked in from the host at capture time gives wrong results at replay.
+- NCCL is absent (`cupy.cuda.nccl.available` is False), as on a machine without the library.
+
+What it cannot check: speed (an emulated launch costs ~0.01-0.1 s: keep models tiny); the memory model (blocks
+run one after another, threads switch only at barriers: a missing __syncthreads or a race can pass; an access far
+outside an allocation is not caught); real NVRTC (a source g++ accepts may still fail NVRTC:
+tests/test_kernels_compile.py checks that); cuBLAS numerics (matmul is NumPy's); concurrency between streams;
+memory pools and allocators are no-ops (no out-of-memory); a capture runs the work eagerly too (CUDA only records
+it), so results computed inside a capture are already there before the first launch.
+
+Where it is (tests/emu_cupy/, one module per part of the fake):
+    state.py      errors (CUDARuntimeError, CompileException), the poison constants, and the one mutable state
+                  (`_state`: device, stream stack, capture; `_fake`: the module of the latest build())
+    arrays.py     device arrays: `ndarray` and `_op` (run a NumPy function on device memory, recorded in a capture)
+    functions.py  the module's functions (asarray, empty, ...; any NumPy function through __getattr__)
+    kernels.py    RawModule, RawKernel, ElementwiseKernel on the CPU emulator, the guarded launch
+    devices.py    Device, Stream, Graph, Event, memory pools, the fake cupy.cuda.runtime
+    __init__.py   the assembly: build() the fake modules, install() / installed() them, the pytest plugin hooks
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+
+from hpcinfer.kernels import emulate
+
+from . import state
+from .arrays import ndarray
+from .devices import (Device, Event, Graph, MemoryPool, PinnedMemoryPool, Stream, _default_pool, _pinned_pool,
+                      _runtime_module, get_current_stream, using_allocator)
+from .functions import (_module_getattr, _scatter_add, array, asarray, ascontiguousarray, asnumpy, empty, empty_like,
+                        get_array_module, is_available)
+from .kernels import ElementwiseKernel, RawKernel, RawModule
+from .state import GUARD_BYTES, POISON_BYTE, CompileException, CUDARuntimeError
+
+__all__ = ["CUDARuntimeError", "CompileException", "Device", "ElementwiseKernel", "Event", "GUARD_BYTES", "Graph",
+           "MemoryPool", "POISON_BYTE", "PinnedMemoryPool", "RawKernel", "RawModule", "Stream", "array", "asarray",
+           "ascontiguousarray", "asnumpy", "build", "empty", "empty_like", "get_array_module", "get_current_stream",
+           "install", "installed", "is_available", "ndarray", "using_allocator"]
+
+__version__ = "14.0.0+emulated"
+
+
+def __getattr__(name):
+    """`emu_cupy._state` and `emu_cupy._fake`: the live values, owned by state.py (build() and install() swap them)."""
+    if name in ("_state", "_fake"):
+        return getattr(state, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def build(devices: int = 1, sm_count: int = 2) -> dict[str, types.ModuleType]:
+    """A fresh fake cupy: {module name: module} for sys.modules (state reset: no capture, device 0)."""
+    state._state = state._State(devices, sm_count)
+    Stream.null._ops = Stream.null._invalid = None
+
+    cp = types.ModuleType("cupy")
+    cp.__doc__ = "CuPy stand-in over NumPy and the CPU kernel emulator (tests/emu_cupy/)"
+    cp.__version__ = __version__
+    cp.__path__ = []                       # a package: `import cupy.cuda` finds the fake submodules in sys.modules
+    for name, value in dict(ndarray=ndarray, asarray=asarray, array=array, ascontiguousarray=ascontiguousarray,
+                            asnumpy=asnumpy, empty=empty, empty_like=empty_like, get_array_module=get_array_module,
+                            is_available=is_available, RawModule=RawModule, RawKernel=RawKernel,
+                            ElementwiseKernel=ElementwiseKernel).items():
+        setattr(cp, name, value)
+    cp.asanyarray = asarray
+    cp.get_default_memory_pool = lambda: _default_pool
+    cp.get_default_pinned_memory_pool = lambda: _pinned_pool
+    cp.__getattr__ = _module_getattr
+    cp._emulated = True
+
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.__path__ = []
+    runtime = _runtime_module()
+    compiler = types.ModuleType("cupy.cuda.compiler")
+    compiler.CompileException = CompileException
+    nvrtc = types.ModuleType("cupy.cuda.nvrtc")
+    nvrtc.getVersion = lambda: (12, 8)
+    nccl = types.ModuleType("cupy.cuda.nccl")   # as cupy without the NCCL library: imports, not available
+    nccl.available = False
+    graph = types.ModuleType("cupy.cuda.graph")
+    graph.Graph = Graph
+    for name, value in dict(runtime=runtime, compiler=compiler, nvrtc=nvrtc, nccl=nccl, graph=graph,
+                            Device=Device, Stream=Stream, Event=Event, Graph=Graph, MemoryPool=MemoryPool,
+                            PinnedMemoryPool=PinnedMemoryPool, using_allocator=using_allocator,
+                            get_current_stream=get_current_stream, is_available=is_available,
+                            set_allocator=lambda allocator=None: None,
+                            set_pinned_memory_allocator=lambda allocator=None: None).items():
+        setattr(cuda, name, value)
+    cp.cuda = cuda
+    cp.RawModule, cp.RawKernel = RawModule, RawKernel
+
+    cupyx = types.ModuleType("cupyx")
+    cupyx.scatter_add = _scatter_add
+    state._fake = cp
+    return {"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.compiler": compiler,
+            "cupy.cuda.nvrtc": nvrtc, "cupy.cuda.nccl": nccl, "cupy.cuda.graph": graph, "cupyx": cupyx}
+
+
+def install(monkeypatch, devices: int = 1, sm_count: int = 2) -> types.ModuleType:
+    """Put a fresh fake cupy in sys.modules (hiding any real cupy module and submodule) and point
+    hpcinfer.backend.cupy_ops at it, for the life of `monkeypatch`; the kernel loader's caches are cleared.
+    Returns the fake cupy module."""
+    from hpcinfer.backend import cupy_ops
+    from hpcinfer.kernels import loader
+
+    reason = emulate.unavailable()
+    if reason:
+        pytest.skip(f"the CuPy emulator runs kernels on the CPU emulator, which is unavailable: {reason}")
+    monkeypatch.setattr(state, "_state", state._state)   # no change now: restored as they are when monkeypatch
+    monkeypatch.setattr(state, "_fake", state._fake)     # undoes (a nested install gives the outer one back)
+    modules = build(devices, sm_count)
+    for name in [n for n in sys.modules if n.split(".")[0] in ("cupy", "cupyx", "cupy_backends")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cp = modules["cupy"]
+    monkeypatch.setattr(cupy_ops, "_import_cupy", lambda: cp)
+    monkeypatch.setattr(cupy_ops, "gpu_available", lambda: True)
+    loader.clear_cache()
+    monkeypatch.setattr(loader, "_modules", {})       # kernels loaded on the fake stay with it
+    monkeypatch.setattr(loader, "_kernels", {})
+    return cp
+
+
+@contextlib.contextmanager
+def installed(devices: int = 1, sm_count: int = 2):
+    """install() for any scope (module and session fixtures, plain code): yields the fake cupy module."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield install(monkeypatch, devices, sm_count)
+
+
+def pytest_configure(config):
+    """As a plugin (`PYTHONPATH=tests python -m pytest -p emu_cupy tests/test_x.py`): the whole session runs on
+    the fake cupy, installed before collection, so GPU-only test modules (whose skip checks call gpu_available at
+    import) run here. Not a plugin otherwise: importing this module registers only the fixture."""
+    monkeypatch = pytest.MonkeyPatch()
+    config._emu_cupy_monkeypatch = monkeypatch
+    reason = emulate.unavailable()
+    if reason:
+        raise pytest.UsageError(f"-p emu_cupy: the kernel emulator is unavailable: {reason}")
+    install(monkeypatch)
+
+
+def pytest_unconfigure(config):
+    monkeypatch = getattr(config, "_emu_cupy_monkeypatch", None)
+    if monkeypatch is not None:
+        monkeypatch.undo()
+
