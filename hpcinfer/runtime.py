@@ -21,7 +21,7 @@ import traceback
 from .backend.ops import make_ops
 from .comm.group import Groups, MoELayout
 from .comm.mesh import build_mesh, shared_memory_ranks
-from .comm.nccl_group import device_group_factory, resolve_comm
+from .comm.nccl_group import NcclGroup, device_group_factory, resolve_comm
 from .comm.pipeline import StageLink
 from .config import load_config
 from .errors import HpcinferError
@@ -119,7 +119,7 @@ def _run(world, config_path: str, overrides: list[str], restart: bool = False, s
         log.info("resuming %s: %d of %d prompts are already done", config.generate.output, len(job.skip),
                  len(job.prompts))
     faults = Faults(rank)
-    mesh, threads, ops, groups = _compute_setup(world, config, config.parallel.pp, ranks_per_node)
+    mesh, threads, ops, groups, comm = _compute_setup(world, config, config.parallel.pp, ranks_per_node)
 
     t0 = time.perf_counter()
     stage = job.stages[mesh.coords[0]]
@@ -127,7 +127,7 @@ def _run(world, config_path: str, overrides: list[str], restart: bool = False, s
         model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor)
         if config.generate is not None:                         # KV cache format, top-k decode attention
             model.set_attention(kv_format_of(config, ckpt.arch), config.generate.attention_topk)
-        model.weights = _weight_tiers(config, model, ops, rank, mesh)
+        model.weights = _weight_tiers(config, model, ops, rank, mesh, comm)
         model.load(ckpt, after_block=faults.after_block(model.weights.place if model.weights is not None else None))
     load_s = time.perf_counter() - t0
     faults.at("after_load")
@@ -169,7 +169,7 @@ def _run_embed(world, config, ranks_per_node: int, t_start: float, restart: bool
     rank = world.Get_rank()
     job = agree(world, lambda: prepare_embed_job(config, world.Get_size(), rank))
     writer = agree(world, lambda: open_writer(job, restart) if rank == 0 else None)     # resume or refuse here
-    mesh, threads, ops, groups = _compute_setup(world, config, 1, ranks_per_node)
+    mesh, threads, ops, groups, _ = _compute_setup(world, config, 1, ranks_per_node)
     t0 = time.perf_counter()
     with job.ckpt as ckpt:
         model = Encoder(ops, groups, ckpt.arch, config.model.dtype).load(ckpt)
@@ -200,14 +200,14 @@ def _run_embed(world, config, ranks_per_node: int, t_start: float, restart: bool
 
 def _compute_setup(world, config, pp: int, ranks_per_node: int):
     """The mesh (printed by rank 0), BLAS threads, the backend on this rank's GPU (node-local rank) and the
-    communicator groups for its arrays -> (mesh, threads, ops, groups)."""
+    communicator groups for its arrays -> (mesh, threads, ops, groups, comm: "nccl" or "mpi")."""
     mesh = build_mesh(world, config.parallel.tp, pp, ranks_per_node, config.runtime.comm_timeout)
     threads = _set_threads(config, world)
     _print_mesh(world, mesh, threads)
     ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank))
     comm = agree(world, lambda: resolve_comm(config.runtime.comm, ops, world))
     agree(world, lambda: check_graphs_comm(config, comm))         # [runtime] cuda_graphs with tp over MPI
-    return mesh, threads, ops, _groups(config, mesh, device_group_factory(comm, ops))
+    return mesh, threads, ops, _groups(config, mesh, device_group_factory(comm, ops)), comm
 
 
 def _groups(config, mesh, wrap) -> Groups:
@@ -219,21 +219,27 @@ def _groups(config, mesh, wrap) -> Groups:
     return Groups(tp=wrap(mesh.tp), pp=wrap(mesh.pp), stage=wrap(mesh.stage), dp=wrap(mesh.dp), moe=moe)
 
 
-def _weight_tiers(config, model, ops, rank: int, mesh=None):
-    """The offload tiers of this rank's layers, when [offload] is active (docs/offload.md)."""
+def _weight_tiers(config, model, ops, rank: int, mesh=None, comm: str = "mpi"):
+    """The offload tiers of this rank's layers, when [offload] is active (docs/offload.md). comm: the resolved
+    [runtime] comm (with "nccl", partitioned fetch gathers on the devices)."""
     off = config.offload
     if not off.active:
         return None
     tiers = place_layers(model.num_local_layers, off.weights_gpu, off.weights_cpu)
     disk_dir = os.path.join(off.disk_dir, f"rank{rank:05d}") if off.disk_dir else None
-    group, threads_ok = _fetch_group(mesh) if off.partitioned_fetch and mesh is not None else (None, True)
-    return WeightTiers(ops, model.blocks, tiers, disk_dir, off.prefetch_layers, group, threads_ok)
+    nccl = comm == "nccl"
+    group, threads_ok = _fetch_group(mesh, nccl) if off.partitioned_fetch and mesh is not None else (None, True)
+    return WeightTiers(ops, model.blocks, tiers, disk_dir, off.prefetch_layers, group, threads_ok,
+                       gather_on_device=group is not None and nccl)
 
 
-def _fetch_group(mesh):
+def _fetch_group(mesh, nccl: bool = False):
     """The data-parallel replicas of this rank's (stage, tp rank) on its node: they share each layer fetch
-    (partitioned fetch, offload/partition.py). Collective over the world. Rounds run on a prefetch thread only
-    when MPI allows calls from several threads at once."""
+    (partitioned fetch, offload/partition.py). Collective over the world. With `nccl`, an NcclGroup: the parts
+    are all-gathered between the GPUs (each copies only its part in). Without it an MPIGroup gathering in host
+    memory, also under comm = "mpi" with cupy: a host-staged device group would move more bytes over PCIe than
+    one copy of the gathered layer. Rounds run on a prefetch thread when NCCL does them, or MPI allows calls
+    from several threads at once."""
     from mpi4py import MPI
 
     from .comm.group import MPIGroup
@@ -245,6 +251,8 @@ def _fetch_group(mesh):
     members = comm.Get_group().Translate_ranks(list(range(comm.Get_size())), world.Get_group())
     watch = mesh.world.watch                              # the mesh's watchdog deadline and arrivals
     group = MPIGroup(comm, "offload fetch", watch.timeout, members, watch.arrivals)
+    if nccl:
+        return NcclGroup(group), True
     return group, MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 

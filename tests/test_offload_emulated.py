@@ -59,3 +59,20 @@ def test_streamed_weights_on_emulated_cupy_give_numpys_tokens_and_bytes(prompts,
         assert moved == cpu_tiers.bytes_from_host + cpu_tiers.bytes_from_disk    # quantized weight is padded)
     else:
         assert np.isclose(moved, cpu_tiers.bytes_from_host + cpu_tiers.bytes_from_disk, rtol=0.25)
+
+
+def test_prefetch_threads_bind_the_ranks_gpu(prompts, tmp_path, monkeypatch):
+    """CUDA's current device is per host thread: every prefetch thread makes the rank's GPU current
+    (ops.use_device as the pool's initializer) before it allocates or copies anything."""
+    import threading
+
+    bound = []
+    with emu.installed(devices=2):
+        from hpcinfer.backend.cupy_ops import CupyOps
+
+        ops = CupyOps(device=1)
+        real = ops.use_device
+        monkeypatch.setattr(ops, "use_device", lambda: (bound.append(threading.current_thread().name), real())[1])
+        tokens, tiers = run(ops, prompts[:2], offload(tmp_path, **PLACEMENTS["host"]), None)
+    assert tiers.streamed and tokens
+    assert bound and all(name != threading.main_thread().name for name in bound)

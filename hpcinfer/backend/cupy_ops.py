@@ -103,6 +103,12 @@ class CupyOps:
         self.kernels = kernels               # launch cuda_src/ kernels where they exist (False: plain CuPy only)
         self._sm_count = None
 
+    def use_device(self) -> None:
+        """Make this rank's GPU current on the calling host thread (CUDA's current device is per thread: threads
+        other than the one that built the ops, e.g. offload prefetch threads, start on device 0)."""
+        if self.device_id is not None:
+            self.xp.cuda.Device(self.device_id).use()
+
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
         """Host or device array -> contiguous device array (bfloat16 as uint16 bits)."""

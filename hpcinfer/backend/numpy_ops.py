@@ -34,6 +34,9 @@ class NumpyOps:
     def zeros(self, shape, dtype=F32):
         return np.zeros(shape, dtype=dtype)
 
+    def use_device(self) -> None:
+        """Nothing to bind on the CPU (CupyOps makes its GPU current on the calling thread)."""
+
     # ---- dense math --------------------------------------------------------------------------------------------
     def linear(self, x, w, bias=None):
         """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out]. For a few tokens, `(w @ x.T).T` lets OpenBLAS

@@ -8,6 +8,12 @@ another, each at an offset aligned to ALIGN bytes; zero padding up to N equal pa
 extra byte, the sender's "still working" flag, so that a rank whose generation has ended can keep joining rounds
 until every member has ended (tiers.WeightTiers.close).
 
+Where the image is assembled: in host memory (NumPy backend, or a CuPy backend whose fetch group is a plain MPI
+group: the caller then copies the whole layer to the device), or on the device, when the caller uploads its part
+and the group all-gathers device arrays (an NCCL group, as ZeRO-Inference does): then the slow host -> device link
+also carries 1/N of the layer per rank, and the layer's arrays are device views of the device image. `gather` does
+both: the image lives in the memory its buffer came from.
+
 Shape legend: N members of the fetch group, P bytes of one part, I = N P bytes of the image.
 """
 
@@ -58,15 +64,24 @@ class LayerImage:
         buffer[:-1] = self.host if self.host is not None else np.load(self.path, mmap_mode="r")
         return buffer
 
-    def gather(self, buffer: np.ndarray, working: bool) -> tuple[bool, list]:
+    def gather(self, buffer, working: bool) -> tuple[bool, list]:
         """All-gather the parts: (whether any member is still working, the layer's arrays as views of the
-        assembled image)."""
+        assembled image). `buffer` is read_mine's, or a device copy of it when the group gathers device arrays:
+        the image is assembled in that memory, and the arrays are views of it there."""
         buffer[-1] = 1 if working else 0
-        parts = self.group.all_gather(buffer)                                       # [N, P + 1]
-        image = np.ascontiguousarray(parts[:, :-1]).reshape(-1)                     # [I]
-        arrays = [image[at:at + _nbytes(dtype, shape)].view(dtype).reshape(shape) for dtype, shape, at in self.specs]
+        parts = self.group.all_gather(buffer)                                       # [N, P + 1], buffer's memory
+        image = parts[:, :-1].reshape(-1)                                           # [I] (a copy: drops the flags)
+        held_as = (lambda dtype: dtype) if isinstance(image, np.ndarray) else _device_dtype
+        arrays = [image[at:at + _nbytes(dtype, shape)].view(held_as(dtype)).reshape(shape)
+                  for dtype, shape, at in self.specs]
         return bool(parts[:, -1].any()), arrays
 
 
 def _nbytes(dtype, shape) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _device_dtype(dtype):
+    """A host dtype as device arrays hold it: bfloat16 as its uint16 bits (cupy has no bfloat16; the CuPy
+    backend's to_host gives bfloat16 views of them, asarray takes them back as bits)."""
+    return np.uint16 if np.dtype(dtype).name == "bfloat16" else dtype

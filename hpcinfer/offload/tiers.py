@@ -109,11 +109,13 @@ class WeightTiers:
 
     fetch_group: a CommGroup of the replicas that share each fetch (partitioned fetch), or None. threads_ok: the
     fetch group may be used from a prefetch thread (MPI_THREAD_MULTIPLE); if not, rounds run on the main thread
-    and nothing is prefetched."""
+    and nothing is prefetched. gather_on_device: the fetch group all-gathers device arrays (an NCCL group): each
+    rank copies only its part to the device and the layer is assembled there (else in host memory, then copied)."""
 
     def __init__(self, ops, blocks: list, tiers: list[str], disk_dir: str | None, prefetch_layers: int = 0,
-                 fetch_group=None, threads_ok: bool = True):
+                 fetch_group=None, threads_ok: bool = True, gather_on_device: bool = False):
         self.group = fetch_group if fetch_group is not None and fetch_group.size > 1 else None
+        self.gather_on_device = gather_on_device
         if self.group is not None and not threads_ok:
             prefetch_layers = 0
         self.ops, self.blocks, self.tiers, self.prefetch_layers = ops, blocks, tiers, prefetch_layers
@@ -127,7 +129,8 @@ class WeightTiers:
         self.resident: set = set()
         self.pending: dict = {}                           # layer -> Future of its fetch
         workers = 1 if self.group is not None else max(1, prefetch_layers)      # rounds keep one order
-        self.pool = ThreadPoolExecutor(workers) if prefetch_layers else None
+        # CUDA's current device is per host thread: the prefetch threads bind this rank's GPU (ops.use_device)
+        self.pool = ThreadPoolExecutor(workers, initializer=ops.use_device) if prefetch_layers else None
         self.lock = threading.Lock()
         self.device_bytes = self.peak_bytes = 0
         self.bytes_from_host = self.bytes_from_disk = 0
@@ -245,8 +248,11 @@ class WeightTiers:
         image = self.images[i]
         mine = image.read_mine()                           # this rank's 1/N of the layer, from host or disk
         self._count(i, image.part)
+        if self.gather_on_device:
+            mine = self.ops.asarray(mine)                  # host -> device: only this rank's part
         anyone, arrays = image.gather(mine, working)       # comm: the all-gather assembles the layer
-        arrays = [self.ops.asarray(a) for a in arrays]
+        if not self.gather_on_device:
+            arrays = [self.ops.asarray(a) for a in arrays]     # host -> device: the whole layer
         out, at = [], 0
         for kind in self.kinds[i]:
             out.append(assemble(kind, arrays[at:at + part_count(kind)]))
