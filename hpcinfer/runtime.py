@@ -238,8 +238,11 @@ def _fetch_group(mesh, nccl: bool = False):
     (partitioned fetch, offload/partition.py). Collective over the world. With `nccl`, an NcclGroup: the parts
     are all-gathered between the GPUs (each copies only its part in). Without it an MPIGroup gathering in host
     memory, also under comm = "mpi" with cupy: a host-staged device group would move more bytes over PCIe than
-    one copy of the gathered layer. Rounds run on a prefetch thread when NCCL does them, or MPI allows calls
-    from several threads at once."""
+    one copy of the gathered layer. MPI rounds run on a prefetch thread when MPI allows calls from several threads
+    at once. NCCL rounds run on the main thread, in program order: from a prefetch thread an all-gather of this
+    communicator could reach the GPU before or after the main thread's tp / expert collectives in a different
+    order on different ranks, and NCCL would deadlock (overlapping them needs a fetch stream ordered by events:
+    left for a GPU session)."""
     from mpi4py import MPI
 
     from .comm.group import MPIGroup
@@ -252,7 +255,7 @@ def _fetch_group(mesh, nccl: bool = False):
     watch = mesh.world.watch                              # the mesh's watchdog deadline and arrivals
     group = MPIGroup(comm, "offload fetch", watch.timeout, members, watch.arrivals)
     if nccl:
-        return NcclGroup(group), True
+        return NcclGroup(group), False
     return group, MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 
