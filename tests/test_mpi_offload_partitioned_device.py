@@ -15,7 +15,6 @@ CuPy backend's uint16 bits) and the "still working" flags.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import ml_dtypes
@@ -23,8 +22,8 @@ import numpy as np
 import pytest
 
 import emu_cupy as emu
+from test_offload_partitioned import source, world
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from hpcinfer.comm.group import Groups
 from hpcinfer.comm.mesh import build_mesh
 from hpcinfer.config import OffloadSection
@@ -78,21 +77,6 @@ def test_image_split_and_assembled_on_device_gives_back_every_array(n):
 
 
 # ---------------------------------------------------------------------------------- under MPI: whole runs
-
-def world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def source(quantize: str = "none") -> PresetSource:
-    src = PresetSource("tiny-dense", dataclasses.replace(PRESETS["tiny-dense"]))
-    if quantize != "none":
-        from hpcinfer.quant.storage import configure
-
-        configure(src, quantize, 64)
-    return src
-
 
 def work_of(rank: int) -> tuple[list, GenerationParams]:
     """Rank-dependent prompts and lengths (few tokens: the emulator is slow); the ranks end at different steps."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import cupy_attention, cupy_moe, cupy_quant, cupy_sbi, moe_ops
-from .ops import StepLayout
+from .ops import StepLayout, unfused_linear
 
 F32 = np.float32
 BF16_BITS = np.dtype(np.uint16)          # device dtype of bfloat16 storage
@@ -162,7 +162,7 @@ class CupyOps:
         """act(norm(x) @ w.T + bias) (+ residual), the Deep-Fusion regions 1, 3 and 4 (NumpyOps.fused_linear).
         Kernel: fused_norm_gemv.cu / sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS; else the ops in sequence."""
         y = cupy_sbi.fused_linear(self, x, w, bias, norm, act, gated, residual)
-        return y if y is not None else cupy_sbi.unfused_linear(self, x, w, bias, norm, act, gated, residual)
+        return y if y is not None else unfused_linear(self, x, w, bias, norm, act, gated, residual)
 
     def prepare_quantized(self, qt):
         """A QuantizedTensor -> its device form (backend/cupy_quant.py: re-laid once for the kernels), for

@@ -151,16 +151,3 @@ def fused_linear(ops, x, w, bias=None, norm=None, act=None, gated=False, residua
         reduce(launch.reduce_grid, (REDUCE_BLOCK,), (partial, bias, residual, y, np.int32(T), np.int32(out),
                                                      np.int32(launch.splits), np.int64(ldr), np.int64(ncols)))
     return y
-
-
-def unfused_linear(ops, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
-    """The same result as fused_linear through the separate ops (NumpyOps.fused_linear's sequence)."""
-    if norm is not None:
-        x = (ops.rms_norm(x, norm.weight, norm.eps) if norm.kind == "rmsnorm" else
-             ops.layer_norm(x, norm.weight, norm.bias, norm.eps))
-    y = ops.linear(x, w, bias)
-    if act is not None:
-        y = ops.gated_activation(y, act) if gated else ops.activation(y, act)
-    if residual is not None:
-        y += residual
-    return y

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import moe_ops
-from .ops import StepLayout
+from .ops import StepLayout, unfused_linear
 
 F32 = np.float32
 SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
@@ -53,15 +53,7 @@ class NumpyOps:
         gated: act(gate) * up of a [T, 2F] gate/up product, as gated_activation). Here the unfused sequence of the
         ops the model used to call one by one, so results are bit-identical to them; CupyOps runs it as one
         kernel (cuda_src/fused_norm_gemv.cu, sbi_gemv.cu) for a few tokens."""
-        if norm is not None:
-            x = (self.rms_norm(x, norm.weight, norm.eps) if norm.kind == "rmsnorm" else
-                 self.layer_norm(x, norm.weight, norm.bias, norm.eps))
-        y = self.linear(x, w, bias)
-        if act is not None:
-            y = self.gated_activation(y, act) if gated else self.activation(y, act)
-        if residual is not None:           # a new array, as the model's `x + sublayer(x)` (y may be a transposed view)
-            y = residual + y
-        return y
+        return unfused_linear(self, x, w, bias, norm, act, gated, residual)
 
     def prepare_quantized(self, qt):
         """A QuantizedTensor as linear_q / embedding_q take it: on the host, itself (CupyOps re-lays it)."""

@@ -122,3 +122,18 @@ def make_ops(backend: str, device: int | None = None) -> Ops:
     from ..errors import ConfigError
 
     raise ConfigError(f"[runtime] backend = {backend!r} is not one of {', '.join(BACKENDS)}")
+
+
+def unfused_linear(ops, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
+    """Ops.fused_linear as the separate ops: norm -> linear -> activation (or gated) -> + residual. NumpyOps's
+    fused_linear is this sequence (bit-identical to the calls the model made one by one); CupyOps falls back to it
+    where its kernels cannot run."""
+    if norm is not None:
+        x = (ops.rms_norm(x, norm.weight, norm.eps) if norm.kind == "rmsnorm" else
+             ops.layer_norm(x, norm.weight, norm.bias, norm.eps))
+    y = ops.linear(x, w, bias)
+    if act is not None:
+        y = ops.gated_activation(y, act) if gated else ops.activation(y, act)
+    if residual is not None:               # a new array, as the model's `x + sublayer(x)` (y may be a transposed view)
+        y = residual + y
+    return y
