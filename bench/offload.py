@@ -51,6 +51,7 @@ class Setup:
     budget: bool = True          # run under the device budget (the reference does not)
     threads: int = 0             # BLAS threads; 0 = --threads (default: every usable CPU, as `hpcinfer run`)
     quantize: str = "none"       # [model] quantize: the weights (and what the tiers move) int8 / int4
+    kv_cache: str = "none"       # [model] kv_cache: the KV cache (and what the zig-zag moves) int8 / int4
 
 
 def setups(args) -> list[Setup]:
@@ -102,6 +103,25 @@ def quant_setups(args) -> list[Setup]:
     return out
 
 
+def kv_setups(args) -> list[Setup]:
+    """--kv-quant: float32, int8 and int4 KV caches (`[model] kv_cache`), each on the device (its reference, with
+    the same GPU batches: a quantized cache turns the float rounding differences of another batching into other
+    tokens, so only the same arithmetic may be held to equal tokens) and in host memory with the zig-zag schedule (weights in host memory too, prefetch 1, no CPU attention): every
+    host-resident GPU batch's cache passes through the device staging cache, quantized."""
+    b, k = args.batch // args.gpu_batches, args.gpu_batches
+    zz = dict(schedule="zigzag", gpu_batch_size=b, num_gpu_batches=k, prefetch_layers=1)
+    out = []
+    for mode in ("none", "int8", "int4"):
+        label = "float32" if mode == "none" else mode
+        out += [Setup(f"KV {label}: zig-zag on device", "reference", f"{label} KV cache and the weights on the "
+                      f"device, the same {k} GPU batches of {b}", zz, budget=False, kv_cache=mode),
+                Setup(f"KV {label}: cache host zig-zag", f"kv-{label}", f"{label} KV cache and the weights in "
+                      f"host memory, {k} GPU batches of {b}", {"weights_gpu": 0, "weights_cpu": 100, "cache_gpu": 0,
+                                                              "cache_cpu": 100, "cpu_attention": False, **zz},
+                      kv_cache=mode)]
+    return out
+
+
 # ---- bandwidths --------------------------------------------------------------------------------------------------
 
 def _best(repeats: int, fn) -> float:
@@ -145,7 +165,8 @@ def measure_bandwidths(folder: str, size: int) -> dict:
 
 # ---- one run -----------------------------------------------------------------------------------------------------
 
-def write_config(folder: Path, args, keys: dict, budget: bool, disk_dir: str, quantize: str = "none") -> Path:
+def write_config(folder: Path, args, keys: dict, budget: bool, disk_dir: str, quantize: str = "none",
+                 kv_cache: str = "none") -> Path:
     def value(v):
         return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v) if isinstance(v, str) else v
 
@@ -154,7 +175,8 @@ def write_config(folder: Path, args, keys: dict, budget: bool, disk_dir: str, qu
         offload["disk_dir"] = disk_dir
         if budget:
             offload["device_memory"] = args.device_memory
-    lines = [f'[model]\ncheckpoint = "{args.checkpoint}"\ndtype = "float32"\nquantize = "{quantize}"\n',
+    lines = [f'[model]\ncheckpoint = "{args.checkpoint}"\ndtype = "float32"\nquantize = "{quantize}"\n'
+             f'kv_cache = "{kv_cache}"\n',
              f'[generate]\nprompts = "unused.jsonl"\noutput = "unused.jsonl"\nmax_new_tokens = {args.new_tokens}\n'
              f"batch_size = {args.batch}\nignore_eos = true\n"]
     if offload:
@@ -173,14 +195,15 @@ def run_setup(setup: Setup, prompts: list, args, work: Path) -> dict:
     from hpcinfer.generate.engine import GenerationParams, StepTimes, generate_batch
     from hpcinfer.job import _offloaded_batch
     from hpcinfer.model.transformer import Decoder
-    from hpcinfer.offload.budget import check_budgets, plan_bytes
+    from hpcinfer.offload.budget import check_budgets, kv_format_of, plan_bytes
     from hpcinfer.parallel.stages import partition_layers
     from hpcinfer.quant.storage import configure, quant_of
     from hpcinfer.runtime import _weight_tiers
     from threadpoolctl import threadpool_limits
 
     disk_dir = work / "disk"
-    config = load_config(str(write_config(work, args, setup.keys, setup.budget, str(disk_dir), setup.quantize)))
+    config = load_config(str(write_config(work, args, setup.keys, setup.budget, str(disk_dir), setup.quantize,
+                                          setup.kv_cache)))
     off = config.offload
     lengths = [len(p) for p in prompts]
     meter = CpuMeter()
@@ -197,6 +220,7 @@ def run_setup(setup: Setup, prompts: list, args, work: Path) -> dict:
         model = Decoder(ops, Groups(), arch, "float32")
         model.weights = _weight_tiers(config, model, ops, 0)
         model.load(ckpt, after_block=model.weights.place if model.weights is not None else None)
+        model.set_attention(kv_format_of(config, arch))                            # as runtime._run
     load_s = time.perf_counter() - t0
     times = StepTimes()
     params = GenerationParams(args.new_tokens, ignore_eos=True)
@@ -213,7 +237,7 @@ def run_setup(setup: Setup, prompts: list, args, work: Path) -> dict:
     generated = sum(len(t) for t, _ in out)
     figures = {
         "name": setup.name, "group": setup.group, "role": setup.role, "offload": setup.keys,
-        "quantize": setup.quantize,
+        "quantize": setup.quantize, "kv_cache": setup.kv_cache,
         "device_memory": parse_bytes(off.device_memory), "blas_threads": threads,
         "load_s": load_s, "run_s": run_s, "prefill_s": times.prefill_s, "decode_s": float(sum(times.decode_s)),
         "generated_tokens": generated, "tokens_per_s": generated / run_s,
@@ -346,6 +370,11 @@ def markdown(result: dict) -> str:
               "cache (the files were just written; the cold figure is the floor if they did not). FlexGen reports "
               "7.32 vs 0.60 tokens/s (12x) for its policy against ZeRO-Inference with OPT-30B on a T4, where "
               "PCIe, not compute, bounds the run.", ""]
+    if s.get("kv_quant"):
+        lines += ["Quantized KV cache (`[model] kv_cache`, group 64): the zig-zag's host cache and its device "
+                  "staging cache hold the packed values with a float16 scale and minimum per group, and the loads "
+                  "and stores move them as they are, so the KV bytes moved fall by 4 x head_dim / row bytes "
+                  "(3.76x int8, 7.11x int4 at head_dim 64); attention dequantizes the rows it reads.", ""]
     if s.get("quant"):
         lines += ["Quantized weights: the tiers move the QuantizedTensors (q, scale, min), so the bytes read from "
                   "host memory or disk fall by the format's ratio; on the NumPy backend each int8 / int4 matmul "
@@ -404,6 +433,20 @@ def quant_ratios(runs: dict) -> dict:
     return out
 
 
+def kv_ratios(runs: dict) -> dict:
+    """--kv-quant: KV bytes moved and throughput of int8 / int4 caches against float32 (zig-zag, cache on host)."""
+    out = {}
+    base = runs.get("KV float32: cache host zig-zag")
+    for mode in ("int8", "int4"):
+        run = runs.get(f"KV {mode}: cache host zig-zag")
+        if base and run and run["kv_bytes_to_device"]:
+            moved = (base["kv_bytes_to_device"] + base["kv_bytes_to_host"]) / (run["kv_bytes_to_device"] +
+                                                                                run["kv_bytes_to_host"])
+            out[f"float32 / {mode} KV bytes moved"] = moved
+            out[f"{mode} / float32 tokens/s"] = run["tokens_per_s"] / base["tokens_per_s"]
+    return out
+
+
 # ---- main --------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -420,6 +463,8 @@ def parse_args(argv=None):
     p.add_argument("--no-policy", action="store_true", help="skip lp.search_policy")
     p.add_argument("--quant", action="store_true",
                    help="float32 vs int8 vs int4 weights streamed from host and disk (writes offload-quant-DATE.*)")
+    p.add_argument("--kv-quant", action="store_true",
+                   help="float32 vs int8 vs int4 KV cache in host memory, zig-zag (writes offload-kv-quant-DATE.*)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="BLAS threads of the runs (default: every usable CPU, as `hpcinfer run` on one rank)")
     p.add_argument("--repeats", type=int, default=2, help="rounds over every setup; each reports its fastest run")
@@ -453,9 +498,10 @@ def main(argv=None) -> int:
         log("measuring tier bandwidths")
         bw = measure_bandwidths(str(work_root), 256 * 2**20)
         log(", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in bw.items() if k != "bytes"))
-        todo = quant_setups(args) if args.quant else setups(args)
-        policy_search = "skipped (--no-policy)" if not args.quant else "skipped (--quant)"
-        if not args.no_policy and not args.quant:
+        todo = quant_setups(args) if args.quant else kv_setups(args) if args.kv_quant else setups(args)
+        special = "--quant" if args.quant else "--kv-quant" if args.kv_quant else None
+        policy_search = f"skipped ({special})" if special else "skipped (--no-policy)"
+        if not args.no_policy and not special:
             log("lp.search_policy on a measured profile")
             setup, details = recommended(args, arch, args.prompt_len, budget, work_root)
             policy_search = details
@@ -499,12 +545,13 @@ def main(argv=None) -> int:
     runs.update({name: {"name": name, "error": err} for name, err in errors.items() if name not in runs})
 
     ok = {k: v for k, v in runs.items() if "error" not in v}
-    references = {v["quantize"]: v for v in ok.values() if v["group"] == "reference"}   # per weight format
-    same = {k: v["quantize"] in references and v["tokens"] == references[v["quantize"]]["tokens"]
-            for k, v in ok.items()}
+    fmt = lambda v: (v["quantize"], v["kv_cache"])                                      # noqa: E731
+    references = {fmt(v): v for v in ok.values() if v["group"] == "reference"}      # per weight and KV format
+    same = {k: fmt(v) in references and v["tokens"] == references[fmt(v)]["tokens"] for k, v in ok.items()}
     checks = {"same_tokens_as_all_on_device": sorted(k for k, v in same.items() if v),
               "different_tokens": sorted(k for k, v in same.items() if not v),
-              "peak_weights_within_budget": all(v["weights_peak_device_bytes"] <= budget for v in ok.values()),
+              "peak_weights_within_budget": all(v["weights_peak_device_bytes"] <= budget for v in ok.values()
+                                                  if v["group"] != "reference"),
               "failed": {k: v["error"] for k, v in runs.items() if "error" in v}}
     date = _dt.date.today().isoformat()
     result = {
@@ -512,17 +559,19 @@ def main(argv=None) -> int:
         "settings": {"checkpoint": args.checkpoint, "batch": args.batch, "gpu_batches": args.gpu_batches,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "device_memory": budget,
                      "blas_threads": args.threads, "quant": args.quant,
+                     "kv_quant": args.kv_quant,
                      "model_bytes": arch.param_count() * 4, "layers": arch.num_layers,
                      "layer_bytes": layer_params(arch) * 4},
         "repeats": args.repeats, "bandwidth": bw, "policy_search": policy_search,
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in ok.values()],
-        "failed": checks["failed"], "ratios": quant_ratios(ok) if args.quant else ratios(ok), "checks": checks,
+        "failed": checks["failed"], "ratios": (quant_ratios(ok) if args.quant else kv_ratios(ok) if args.kv_quant else
+                                                      ratios(ok)), "checks": checks,
         "wall_s": time.perf_counter() - t_start,
     }
     text = markdown(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"offload-quant-{date}" if args.quant else f"offload-{date}"
+    stem = f"offload-quant-{date}" if args.quant else f"offload-kv-quant-{date}" if args.kv_quant else f"offload-{date}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / f"{stem}.md").write_text(text)
     print(text)
