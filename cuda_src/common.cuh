@@ -116,3 +116,27 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     __syncthreads();
     return total;
 }
+
+// The second step of the small-batch GEMVs (sbi_core.cuh, quant_gemv.cu): each lane of warp w holds partial sums
+// acc[r][t] of tile column r * 32 + lane for token t over warp w's share of the input; they are summed over the
+// NWARP warps of a block (32, NWARP), one token at a time, into res[t][c]. red: shared [NWARP][NR * 32 + 1] (+1:
+// lane i reads row i of a column, conflict-free), res: shared [MAXT][NR * 32]. The whole block calls this.
+template <int NR, int MAXT, int NWARP>
+__device__ __forceinline__ void gemv_reduce_warps(const float (&acc)[NR][MAXT], int T, float (*red)[NR * 32 + 1],
+                                                  float (*res)[NR * 32]) {
+    const int lane = threadIdx.x, warp = threadIdx.y;
+#pragma unroll
+    for (int t = 0; t < MAXT; ++t) {
+        if (t < T) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) red[warp][r * 32 + lane] = acc[r][t];
+            __syncthreads();
+            for (int c = warp; c < NR * 32; c += NWARP) {
+                float v = lane < NWARP ? red[lane][c] : 0.0f;
+                v = warp_sum(v);
+                if (lane == 0) res[t][c] = v;
+            }
+            __syncthreads();
+        }
+    }
+}

@@ -132,21 +132,7 @@ quant_gemv(const act_t* x, const unsigned char* q, const float* scale, const flo
         }
     }
 
-    // Reduce over the warps, one token at a time: red[w][c] holds warp w's partial of tile column c.
-#pragma unroll
-    for (int t = 0; t < MAX_TOKENS; ++t) {
-        if (t < T) {
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) red[warp][r * 32 + lane] = acc[r][t];
-            __syncthreads();
-            for (int c = warp; c < TILE; c += WARPS) {
-                float v = lane < WARPS ? red[lane][c] : 0.0f;
-                v = warp_sum(v);
-                if (lane == 0) res[t][c] = v;
-            }
-            __syncthreads();
-        }
-    }
+    gemv_reduce_warps<ROWS, MAX_TOKENS, WARPS>(acc, T, red, res);   // res[t][c]: the block's sums
 
     // Epilogue and coalesced store: consecutive threads take consecutive columns of one token.
     for (int e = tid; e < T * TILE; e += nthreads) {
