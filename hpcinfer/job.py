@@ -215,6 +215,7 @@ def generate_share(model, job: Job, mesh, link, end_round=None) -> tuple[StepTim
             results += round_results
         elif end_round(round_results):
             break
+    schedule.run_graphs.close()                       # the run's kept KV cache and CUDA graphs (generate/graphs.py)
     if model.weights is not None:
         times.weights_peak_device_bytes = model.weights.peak_bytes
         times.weights_bytes_from_host = model.weights.bytes_from_host

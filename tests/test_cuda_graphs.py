@@ -5,8 +5,9 @@ that need the checkpoint or the resolved comm); on the NumPy backend the key cha
 of cupy (tests/emu_cupy/: streams record what runs during a capture and replay it on `graph.launch()`, and any
 host <-> device copy during a capture raises, as CUDA does) tiny models generate the same greedy tokens with graphs
 on, off and on NumPy, over decode steps that cross a KV bucket and replay every graph several times, with one
-capture per (batch, bucket) key seen. What only a GPU can say (real capture, NCCL inside the graph, the time saved)
-is in docs/gpu.md.
+capture per (batch, bucket) key seen; over the batches of a run, one kept KV cache and its graphs (each key
+captured once per run, a longer batch replacing them, a smaller one reusing them). What only a GPU can say (real
+capture, NCCL inside the graph, the time saved) is in docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -235,6 +236,113 @@ def test_a_pipeline_stage_replays_from_received_activations(fake_cupy):
         got = runners[1](step, {"x": x})
         np.testing.assert_allclose(ops.to_host(got), ops.to_host(want), rtol=1e-5, atol=1e-5)
     assert [r.captures for r in runners] == [2, 2]                  # (2, 64) and (2, 128)
+
+
+# ------------------------------------------------------------------------------- graphs kept across batches
+
+def run_batches(model, prompts, batch_size: int, cuda_graphs: bool, gen_micro_batches: int = 1,
+                new_tokens: int = NEW_TOKENS):
+    """As job.generate_share: one ScheduleParams and one StepTimes for the run, one generate_batch per batch of
+    `batch_size` prompts (the last one may be smaller). Returns the tokens, the times, and the kept KV cache after
+    each batch (None with graphs off); the run's graphs are closed at the end."""
+    schedule = ScheduleParams(1, gen_micro_batches, None, cuda_graphs)
+    params = GenerationParams(new_tokens, ignore_eos=True)
+    times, tokens, caches = StepTimes(), [], []
+    for first in range(0, len(prompts), batch_size):
+        ids = list(range(first, min(first + batch_size, len(prompts))))
+        out = generate_batch(model, [prompts[i] for i in ids], ids, params, times, schedule)
+        tokens += [t for t, _ in out]
+        kept = schedule.run_graphs.graphs
+        caches.append(None if kept is None else kept.cache)
+    kept = schedule.run_graphs.graphs
+    schedule.run_graphs.close()
+    assert schedule.run_graphs.graphs is None and (kept is None or not kept.graph.captured)
+    return tokens, times, caches
+
+
+def decode_keys(lengths, new_tokens: int, positions: int = 128) -> set:
+    """(running sequences, bucket) of every decode step of one micro-batch of prompts `lengths`: a sequence makes
+    min(new_tokens, positions - length) tokens (it stops at the model's positions), the first from the prompt
+    step; decode step j reads positions up to length + j - 1."""
+    made = [min(new_tokens, positions - n) for n in lengths]
+    keys = set()
+    for j in range(1, max(made)):
+        running = [n for n, m in zip(lengths, made) if j < m]
+        keys.add((len(running), kv_bucket(max(running) + j)))
+    return keys
+
+
+@pytest.mark.parametrize("name", ["gpt2-like", "llama-like"])
+@pytest.mark.parametrize("gen_micro_batches", [1, 2])
+def test_batches_of_one_size_capture_each_key_once_per_run(fake_cupy, name, gen_micro_batches):
+    """6 prompts in 3 batches of 2 on one kept cache (every batch's longest sequence rounds up to 128 positions):
+    the tokens of graphs off and of NumPy, and one capture per (sequences, bucket) key of the whole run, not one
+    per key and batch; every decode step replayed."""
+    from hpcinfer.backend.cupy_ops import CupyOps
+    from hpcinfer.generate.schedule import micro_batches
+
+    source, lengths, new_tokens = tiny_models()[name], (50, 61, 40, 58, 55, 62), 12
+    prompts = prompts_for(source.arch.vocab_size, lengths)
+    want, _, _ = run_batches(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, 2, False,
+                             gen_micro_batches, new_tokens)
+    model = Decoder(CupyOps(device=0, kernels=False), Groups(), source.arch).load(source)
+    eager, eager_times, _ = run_batches(model, prompts, 2, False, gen_micro_batches, new_tokens)
+    got, times, caches = run_batches(model, prompts, 2, True, gen_micro_batches, new_tokens)
+    assert eager == want and eager_times.graph_captures == 0
+    assert got == want
+    assert caches[0] is caches[1] is caches[2] and caches[0].max_len == 128        # reset, not reallocated
+    per_batch = [set().union(*(decode_keys([lengths[b + i] for i in group], new_tokens)
+                               for group in micro_batches(2, gen_micro_batches))) for b in (0, 2, 4)]
+    keys = set().union(*per_batch)
+    assert any(bucket > 64 for _, bucket in keys)                   # the run crosses a bucket boundary
+    assert sum(len(k) for k in per_batch) > len(keys)                # a capture per batch would count more
+    assert times.graph_captures == len(keys)
+    assert times.graph_replays == 3 * (new_tokens - 1) * gen_micro_batches
+
+
+@pytest.mark.parametrize("kv_cache", ["none", "int8"])
+def test_kept_graphs_with_the_kernels_give_numpy_tokens(fake_cupy, kv_cache):
+    """The kernels' path (as test_graphs_with_the_kernels_give_numpy_tokens) over 2 batches of 2 on one kept
+    cache, zeroed in place in between (a float or an int8 cache): NumPy's tokens, and the 2 keys captured once."""
+    from hpcinfer.backend.cupy_ops import CupyOps
+    from hpcinfer.quant.kv import kv_format
+
+    source, lengths, new_tokens = tiny_models()["llama-like"], (60, 62, 61, 59), 6
+    fmt = kv_format(kv_cache, 16, source.arch.head_dim)
+    prompts = prompts_for(source.arch.vocab_size, lengths)
+    want, _, _ = run_batches(Decoder(NumpyOps(), Groups(), source.arch).load(source).set_attention(fmt), prompts,
+                             2, False, new_tokens=new_tokens)
+    model = Decoder(CupyOps(device=0, kernels=True), Groups(), source.arch).load(source).set_attention(fmt)
+    got, times, caches = run_batches(model, prompts, 2, True, new_tokens=new_tokens)
+    assert got == want and caches[0] is caches[1]
+    assert (times.graph_captures, times.graph_replays) == (2, 2 * (new_tokens - 1))
+
+
+@pytest.mark.parametrize("order, captures, cache_of_batch", [
+    ("longest first", 4, [0, 0, 0, 0]),         # (2,128) (1,128); + (2,64); (2,64) kept; + (1,64)
+    ("shorter first", 5, [0, 1, 1, 1]),         # (2,64) on 64 positions; a cache of 128: (2,128) (1,128), (2,64)
+])                                              # again; + (1,64)
+def test_smaller_and_longer_batches(fake_cupy, order, captures, cache_of_batch):
+    """7 prompts in batches of 2, 2, 2 and 1; one batch has a prompt that stops early at the model's 128 positions
+    (its partner goes on alone: keys with 1 sequence). A batch that fits the kept cache (fewer sequences, shorter
+    ones) reuses it and its graphs; a longer one replaces it (a new cache, captured again). Tokens as NumPy's."""
+    from hpcinfer.backend.cupy_ops import CupyOps
+
+    source, new_tokens = tiny_models()["llama-like"], 10
+    long, short, reuse, last = (60, 122), (40, 45), (62, 57), (50,)
+    lengths = (*long, *short, *reuse, *last) if order == "longest first" else (*short, *long, *reuse, *last)
+    prompts = prompts_for(source.arch.vocab_size, lengths)
+    want, _, _ = run_batches(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, 2, False,
+                             new_tokens=new_tokens)
+    model = Decoder(CupyOps(device=0, kernels=False), Groups(), source.arch).load(source)
+    got, times, caches = run_batches(model, prompts, 2, True, new_tokens=new_tokens)
+    assert got == want
+    assert [[c is d for d in caches].index(True) for c in caches] == cache_of_batch
+    assert caches[-1].n_seqs == 2 and caches[-1].max_len == 128
+    assert (1, 128) in decode_keys(long, new_tokens)                 # the early stop is in the run
+    assert times.graph_captures == captures                          # a capture per batch and key: 6
+    assert times.graph_replays == sum(max(min(new_tokens, 128 - n) for n in lengths[b:b + 2]) - 1
+                                      for b in range(0, 7, 2))
 
 
 # ------------------------------------------------------------------------------------------------ hpcinfer run

@@ -73,8 +73,10 @@ class DecodeGraph:
     - collectives inside are allowed only over NCCL (they are captured on the capture stream; every rank of the
       communicator must replay the same graphs in the same order, which holds when all tp ranks step together);
       MPI calls (comm = "mpi") cannot be captured;
-    - memory allocated during capture comes from a pool private to this object and stays reserved while it
-      lives; the returned output is a static buffer, overwritten by the next replay of the same key.
+    - memory allocated during capture comes from a pool private to this object and stays reserved until
+      `close()`; the returned output is a static buffer, overwritten by the next replay of the same key;
+    - the graphs hold the addresses of every array the step read or wrote (the KV cache's included): those arrays
+      must stay allocated, and be reused in place, for as long as the graphs are replayed.
     """
 
     def __init__(self, ops: CupyOps, smallest_bucket: int = 64):
@@ -83,6 +85,7 @@ class DecodeGraph:
         self.pool = cp.cuda.MemoryPool()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.captured: dict[tuple, _Captured] = {}
+        self.captures = 0            # graphs captured by this object, closed ones included (metrics)
 
     def key(self, starts) -> tuple[int, int]:
         starts = np.asarray(starts)
@@ -130,4 +133,10 @@ class DecodeGraph:
             graph = self.stream.end_capture()
         entry = _Captured(graph, static, slots_d, starts_d, output)
         self.captured[key] = entry
+        self.captures += 1
         return entry
+
+    def close(self) -> None:
+        """Drop the graphs and hand their private memory pool back to the device."""
+        self.captured.clear()
+        self.pool.free_all_blocks()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .graphs import RunGraphs
 from .kv_cache import KVOffload
 from .sampling import SamplingParams
 
@@ -27,6 +28,9 @@ class ScheduleParams:
     gen_micro_batches: int = 1       # micro-batches of the token phase (the batch is re-grouped in between)
     kv_offload: KVOffload | None = None
     cuda_graphs: bool = False        # decode steps through CUDA graphs on the cupy backend (generate/graphs.py)
+    # not a setting: the KV cache and decode graphs kept across the batches run with these params (one per run);
+    # made empty here, filled by the first batch with cuda_graphs on, freed by run_graphs.close() (or with it)
+    run_graphs: RunGraphs = field(default_factory=RunGraphs, compare=False, repr=False)
 
 
 @dataclass
@@ -68,7 +72,7 @@ class StepTimes:
     weights_peak_device_bytes: int = 0     # offloaded weights: resident + streamed layers at the peak
     weights_bytes_from_host: int = 0
     weights_bytes_from_disk: int = 0
-    graph_captures: int = 0      # [runtime] cuda_graphs: decode graphs captured (one per batch and key)
+    graph_captures: int = 0      # [runtime] cuda_graphs: decode graphs captured (once per run and key)
     graph_replays: int = 0       # decode steps run from a captured graph
 
 

@@ -7,10 +7,13 @@ static device buffers. Prompt steps stay eager. The output (logits [S, V] on the
 before it) is the graph's static buffer: the schedule copies it to the host for sampling, or sends it to the next
 stage on the same stream, before the next replay can overwrite it.
 
-The graphs of a batch belong to its KV cache (they captured its arrays), so each batch captures its own. What a
-captured step cannot hold is refused when the config is read (config._check_cuda_graphs) or, for what is known
-only later, here: MoE layers once the checkpoint is open (`check_model`), a tp group over MPI once `comm = "auto"`
-is resolved (`check_comm`).
+The graphs hold the addresses of the KV cache they captured, so they live as long as that cache: `RunGraphs`
+(one per run and stage, held by ScheduleParams.run_graphs) keeps one cache and its graphs across the batches of a
+run, zeroing the cache in place between batches, so that a run captures each (micro-batch size, KV bucket) once,
+not once per batch; a batch the cache cannot hold (more sequences, longer ones) replaces both. With a KV offload
+threshold a batch keeps its own cache and graphs, as before. What a captured step cannot hold is refused when the
+config is read (config._check_cuda_graphs) or, for what is known only later, here: MoE layers once the checkpoint
+is open (`check_model`), a tp group over MPI once `comm = "auto"` is resolved (`check_comm`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import logging
 from ..errors import ConfigError
 
 log = logging.getLogger("hpcinfer")
+
+SMALLEST_BUCKET = 64             # positions a captured decode step reads at least (cupy_graphs.kv_bucket)
 
 
 def stage_step(model, cache, inputs: dict, step):
@@ -31,13 +36,14 @@ def stage_step(model, cache, inputs: dict, step):
 
 
 class DecodeGraphs:
-    """The captured decode steps of one batch (one KV cache) on one stage, keyed by (sequences, KV bucket)."""
+    """The captured decode steps over one KV cache on one stage, keyed by (sequences, KV bucket)."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, kept: bool = False):
         from ..backend.cupy_graphs import DecodeGraph
 
         self.model, self.cache = model, cache
-        self.graph = DecodeGraph(model.ops)
+        self.graph = DecodeGraph(model.ops, SMALLEST_BUCKET)
+        self.kept = kept                                  # True: RunGraphs keeps it across batches (closes it)
         self.replays = 0
 
     def applies(self, step) -> bool:
@@ -51,19 +57,61 @@ class DecodeGraphs:
 
     @property
     def captures(self) -> int:
-        return len(self.graph.captured)
+        """Graphs captured so far (the metrics count the difference over a batch)."""
+        return self.graph.captures
+
+    def fits(self, model, slots: int, max_len: int) -> bool:
+        """Whether a batch of `slots` sequences, none longer than `max_len`, can run on this cache."""
+        cache = self.cache
+        return (self.model is model and cache.kv_format == model.kv_format and not cache.offloading
+                and cache.n_seqs >= slots and cache.max_len >= max_len)
 
     def close(self) -> None:
-        """Drop the graphs and hand their private memory pool back to the device (the batch is done)."""
-        self.graph.captured.clear()
-        self.graph.pool.free_all_blocks()
+        """Drop the graphs and hand their private memory pool back to the device."""
+        self.graph.close()
 
 
-def decode_graphs(model, cache, enabled: bool) -> DecodeGraphs | None:
-    """The batch's DecodeGraphs when `[runtime] cuda_graphs` is on and the backend is cupy; None runs eagerly."""
-    if not enabled or model.ops.name != "cupy":
-        return None
-    return DecodeGraphs(model, cache)
+class RunGraphs:
+    """One stage's decode graphs over the batches of a run, with the KV cache they captured.
+
+    A batch runs on the kept cache when it fits (no more sequences than its slots, none longer than its length):
+    the cache is zeroed in place (KVCache.reset) and the graphs captured by earlier batches replay on the same
+    arrays (slots, positions and inputs go through the graphs' static buffers). Otherwise the graphs and the cache
+    are dropped first, then a cache of the batch's size is made, its length rounded up to a multiple of the
+    smallest KV bucket (capped at the model's positions) so that prompts of nearby lengths share it. Device KV
+    memory never exceeds that of the largest batch's own cache (+ the rounding). `close()` ends the run."""
+
+    def __init__(self):
+        self.graphs: DecodeGraphs | None = None
+
+    def batch(self, model, slots: int, max_len: int, make_cache) -> DecodeGraphs:
+        """The graphs (and cache, `.cache`) for a batch; make_cache(slots, length) -> a new KVCache."""
+        if self.graphs is not None and self.graphs.fits(model, slots, max_len):
+            self.graphs.cache.reset()
+            return self.graphs
+        self.close()                                                  # free the old cache before the new one
+        length = max(max_len, min(-(-max_len // SMALLEST_BUCKET) * SMALLEST_BUCKET, model.arch.max_positions))
+        self.graphs = DecodeGraphs(model, make_cache(slots, length), kept=True)
+        return self.graphs
+
+    def close(self) -> None:
+        """The run is done: free the graphs, their memory pool and the cache."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+
+
+def batch_cache(model, schedule, slots: int, max_len: int, make_cache) -> tuple:
+    """(KV cache, DecodeGraphs or None) for a batch of `slots` sequences up to `max_len` positions: the run's kept
+    ones when `[runtime] cuda_graphs` is on and the backend is cupy; a batch's own cache and graphs (closed with
+    it) under a KV offload threshold; a fresh cache and None (every step eager) otherwise."""
+    if not schedule.cuda_graphs or model.ops.name != "cupy":
+        return make_cache(slots, max_len), None
+    if schedule.kv_offload is not None:
+        cache = make_cache(slots, max_len)
+        return cache, DecodeGraphs(model, cache)
+    graphs = schedule.run_graphs.batch(model, slots, max_len, make_cache)
+    return graphs.cache, graphs
 
 
 def check_model(config, arch, ops) -> None:

@@ -81,6 +81,19 @@ class KVCache:
         self.bytes_to_host = self.bytes_to_device = 0
         self.peak_bytes = self.nbytes
 
+    def reset(self) -> None:
+        """As new for the next batch, without reallocating the device arrays (captured CUDA graphs hold their
+        addresses, generate/graphs.RunGraphs): every row zeroed in place, no sequence on the host, counters at 0."""
+        for layer in self.k + self.v:
+            for array in (layer.parts() if isinstance(layer, QuantizedKV) else (layer,)):
+                array.fill(0)
+        if self.pooled:
+            self.slot_of[:] = -1
+            self.free = list(range(self.capacity))[::-1]
+        self.recent, self.on_host = [], set()
+        self.bytes_to_host = self.bytes_to_device = 0
+        self.peak_bytes = self.nbytes
+
     def _zeros(self, shape):                                     # one layer's K or V: [N, Hkv, Lmax, hd] rows
         if self.kv_format is None:
             return self.ops.zeros(shape, np.float32)

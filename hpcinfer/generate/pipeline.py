@@ -17,7 +17,7 @@ import numpy as np
 from ..backend.ops import StepLayout
 from ..comm.mappings import broadcast_from_tp_root
 from .engine import GenerationParams, ScheduleParams, Sequence, StepTimes, record_token
-from .graphs import decode_graphs, stage_step
+from .graphs import batch_cache, stage_step
 from .kv_cache import KVCache
 from .sampling import sample, sequence_rng
 from .schedule import gen_ready_order, micro_batches
@@ -36,11 +36,15 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
     cap = batch_size or len(seqs)
     prompt_groups = micro_batches(len(seqs), min(schedule.prompt_micro_batches, cap), exact)
     gen_groups = micro_batches(len(seqs), min(schedule.gen_micro_batches, cap), exact)
-    cache = KVCache(model.ops, model.num_local_layers, len(seqs), model.kv_heads_local,
-                    max((s.capacity for s in seqs), default=1), arch.head_dim, schedule.kv_offload,
-                    stage.first_layer, max(max(len(g) for g in prompt_groups + gen_groups), 1),
-                    kv_format=model.kv_format)
-    graphs = decode_graphs(model, cache, schedule.cuda_graphs)       # None: every step eager
+    largest_micro_batch = max(max(len(g) for g in prompt_groups + gen_groups), 1)
+
+    def make_cache(slots: int, max_len: int) -> KVCache:
+        return KVCache(model.ops, model.num_local_layers, slots, model.kv_heads_local, max_len, arch.head_dim,
+                       schedule.kv_offload, stage.first_layer, largest_micro_batch, kv_format=model.kv_format)
+
+    # with [runtime] cuda_graphs on cupy: the run's cache and graphs, kept across batches; else graphs is None
+    cache, graphs = batch_cache(model, schedule, len(seqs), max((s.capacity for s in seqs), default=1), make_cache)
+    counted = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
     runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits,
                           lockstep, graphs)
     start = time.perf_counter()
@@ -56,9 +60,10 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
     times.kv_bytes_to_device += cache.bytes_to_device
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.peak_bytes)
     if graphs is not None:
-        times.graph_captures += graphs.captures
-        times.graph_replays += graphs.replays
-        graphs.close()
+        times.graph_captures += graphs.captures - counted[0]
+        times.graph_replays += graphs.replays - counted[1]
+        if not graphs.kept:
+            graphs.close()
     if stage.is_last:
         times.prompt_tokens += sum(len(s.prompt) for s in seqs)
         times.generated_tokens += sum(len(s.generated) for s in seqs)
@@ -91,8 +96,8 @@ class _StageRunner:
         for p, group in enumerate(self.prompt_groups):
             ids = list(group)
             tokens = np.array([t for i in ids for t in self.seqs[i].prompt], dtype=np.int64)
-            self._submit({"phase": "prompt", "mb": p, "seqs": ids, "starts": [0] * len(ids),
-                          "counts": [len(self.seqs[i].prompt) for i in ids]}, tokens)
+            self._step({"phase": "prompt", "mb": p, "seqs": ids, "starts": [0] * len(ids),
+                        "counts": [len(self.seqs[i].prompt) for i in ids]}, {"tokens": tokens})
         if self.stage.is_last:
             self.prompt_phase_s = time.perf_counter() - self.start
         in_flight = deque(range(len(self.gen_groups)))      # answered by the last stage in this order
@@ -108,22 +113,13 @@ class _StageRunner:
                 continue
             running = [i for i in self.gen_groups[g] if self.seqs[i].finish_reason is None]
             sent_at[g] = time.perf_counter()
-            self._submit({"phase": "gen", "mb": g, "seqs": running,
-                          "starts": [self.seqs[i].length - 1 for i in running], "counts": [1] * len(running)},
-                         np.array([self.seqs[i].generated[-1] for i in running], dtype=np.int64))
+            tokens = np.array([self.seqs[i].generated[-1] for i in running], dtype=np.int64)
+            self._step({"phase": "gen", "mb": g, "seqs": running,
+                        "starts": [self.seqs[i].length - 1 for i in running], "counts": [1] * len(running)},
+                       {"tokens": tokens})
             in_flight.append(g)
         if not self.stage.is_last:
             self.link.send_to_next_stage({"stop": True})
-
-    def _submit(self, header: dict, tokens: np.ndarray) -> None:
-        step = StepLayout.build(header["seqs"], header["starts"], header["counts"])
-        out = self._compute(step, {"tokens": tokens})
-        if self.stage.is_last:
-            self._finish(header, out)
-        else:
-            self.link.send_to_next_stage(header, out)
-            if header["phase"] == "prompt" and header["mb"] == len(self.prompt_groups) - 1:
-                self.prompt_phase_s = time.perf_counter() - self.start
 
     def _receive_tokens(self) -> dict:
         if self.stage.is_last:
@@ -151,16 +147,21 @@ class _StageRunner:
                 if not self.stage.is_last:
                     self.link.send_to_next_stage(header)
                 return
-            step = StepLayout.build(header["seqs"], header["starts"], header["counts"])
-            out = self._compute(step, {"x": x})
-            if self.stage.is_last:
-                self._finish(header, out)
-            else:
-                self.link.send_to_next_stage(header, out)
-                if header["phase"] == "prompt" and header["mb"] == len(self.prompt_groups) - 1:
-                    self.prompt_phase_s = time.perf_counter() - self.start
+            self._step(header, {"x": x})
 
     # ---- every stage -----------------------------------------------------------------------------------------
+    def _step(self, header: dict, inputs: dict) -> None:
+        """Compute one micro-batch step from `inputs` ({"tokens": ids [T]} on stage 0, {"x": [T, D]} after it),
+        then sample (last stage) or pass the activations on."""
+        step = StepLayout.build(header["seqs"], header["starts"], header["counts"])
+        out = self._compute(step, inputs)
+        if self.stage.is_last:
+            self._finish(header, out)
+        else:
+            self.link.send_to_next_stage(header, out)
+            if header["phase"] == "prompt" and header["mb"] == len(self.prompt_groups) - 1:
+                self.prompt_phase_s = time.perf_counter() - self.start
+
     def _compute(self, step: StepLayout, inputs: dict):
         """This stage's share of one step: [embedding], its layers, [final norm + LM head -> logits [S, V]]
         (graphs.stage_step); a decode step replays its CUDA graph when [runtime] cuda_graphs is on."""
