@@ -25,7 +25,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")              # transformers' GGUF deq
 import numpy as np  # noqa: E402
 
 from hpcinfer.bench.common import (CpuMeter, agreement, busy_warning, git_commit,  # noqa: E402
-                                   loadavg, logger, machine_info, make_prompts, median, write_results)
+                                   loadavg, logger, machine_info, make_prompts, median, usable_cores,
+                                   write_results)
 from hpcinfer.bench.hf_baseline import Transformers  # noqa: E402
 
 SWITCH_PAUSE_S = 0.25      # idle gap before each measured block: lets the other library's spinning threads sleep
@@ -167,7 +168,7 @@ def markdown(result: dict) -> str:
 # ---- main ------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     p = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", default="models/smollm2.h5", help="hpcinfer float32 checkpoint")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcinfer.bench.common import (BUSY_WARN_CPUS, REPO, ChildCpuMeter, CpuMeter, busy_warning, git_commit,
-                                   loadavg, logger, machine_info, median, wait_quiet, write_results)
+                                   loadavg, logger, machine_info, median, usable_cores, wait_quiet, write_results)
 
 sys.path.insert(0, str(REPO / "tests"))                    # tests/moe_reference.py: the einsum formulation
 
@@ -246,7 +246,7 @@ def run_layer_job(args, lay: dict) -> dict:
 def part_b_measured(args, deadline: float) -> dict:
     meter = ChildCpuMeter()
     jobs, discarded = [], []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     for lay in args.layouts:
         for attempt in range(1 + args.retries):
             before = wait_quiet(args.quiet_wait if time.perf_counter() < deadline else 0.0)
@@ -391,7 +391,7 @@ def markdown(result: dict) -> str:
 # ---- main -------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for moe-<date>.json and .md")

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcinfer.bench.common import REPO, CpuMeter, git_commit, machine_info, make_prompts, wait_quiet
+from hpcinfer.bench.common import REPO, CpuMeter, git_commit, machine_info, make_prompts, usable_cores, wait_quiet
+from hpcinfer.offload.profile import best_of
 
 MB = 1e6
 
@@ -124,29 +125,19 @@ def kv_setups(args) -> list[Setup]:
 
 # ---- bandwidths --------------------------------------------------------------------------------------------------
 
-def _best(repeats: int, fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
-
-
 def measure_bandwidths(folder: str, size: int) -> dict:
     """Bytes/s of the tier reads as WeightTiers does them: host `np.array(src)` (allocate + copy), disk
     `np.array(np.load(path, mmap_mode="r"))` warm (page cache: what a run that just wrote its files sees) and cold
     (the file's pages dropped with posix_fadvise first; a filesystem may ignore the hint)."""
     src = np.ones(size // 4, np.float32)
     dst = np.empty_like(src)
-    host_s = _best(3, lambda: np.array(src))
-    memcpy_s = _best(3, lambda: np.copyto(dst, src))
+    host_s = best_of(3, lambda: np.array(src))
+    memcpy_s = best_of(3, lambda: np.copyto(dst, src))
     path = os.path.join(folder, "bandwidth.npy")
     np.save(path, src)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
-    warm_s = _best(3, lambda: np.array(np.load(path, mmap_mode="r")))
+    warm_s = best_of(3, lambda: np.array(np.load(path, mmap_mode="r")))
     cold = []
     for _ in range(2):
         fd = os.open(path, os.O_RDONLY)
@@ -465,7 +456,7 @@ def parse_args(argv=None):
                    help="float32 vs int8 vs int4 weights streamed from host and disk (writes offload-quant-DATE.*)")
     p.add_argument("--kv-quant", action="store_true",
                    help="float32 vs int8 vs int4 KV cache in host memory, zig-zag (writes offload-kv-quant-DATE.*)")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+    p.add_argument("--threads", type=int, default=usable_cores(),
                    help="BLAS threads of the runs (default: every usable CPU, as `hpcinfer run` on one rank)")
     p.add_argument("--repeats", type=int, default=2, help="rounds over every setup; each reports its fastest run")
     p.add_argument("--budget", type=float, default=200.0, help="seconds after which no new round starts")

@@ -5,6 +5,7 @@ would otherwise make the child join the outer job's PMI), runs in its own proces
 whole when it overruns: a hang becomes an AssertionError, never a stuck test suite.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -91,8 +92,6 @@ def run_cli(args, n=1, timeout=120, cwd=None, env=None):
 
 def write_token_prompts(path, lengths, vocab: int, seed: int = 7):
     """A prompt file of random token ids, one prompt `p{i}` per length; returns the token lists."""
-    import json
-
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -124,6 +123,38 @@ class CliJob:
             args += ["--set", item]
         return self._run_cli(args, n=n, timeout=timeout, cwd=self.cwd, env=env)
 
+    def run_reference(self, out_dir):
+        """One rank, the config as written: asserts exit 0 and one output record per prompt, in the prompt file's
+        order; returns (CompletedProcess, output records)."""
+        done = self.run(out_dir)
+        assert done.returncode == 0, done.stderr
+        got = output_records(out_dir)
+        ids = [json.loads(line)["id"] for line in self.prompts.read_text().splitlines() if line.strip()]
+        assert [r["id"] for r in got] == ids
+        return done, got
+
+
+def output_records(out_dir) -> list:
+    """The records of `out_dir`/output.jsonl, in file order."""
+    return [json.loads(line) for line in (Path(out_dir) / "output.jsonl").read_text().splitlines()]
+
+
+def metrics_of(out_dir) -> dict:
+    """The metrics file `out_dir`/metrics.json."""
+    return json.loads((Path(out_dir) / "metrics.json").read_text())
+
+
+def assert_fails_once_and_clearly(done, out_dir, fragments) -> None:
+    """A run refused before any weight is read: exit 2, one "hpcinfer: error" line holding every fragment, no
+    traceback, no output or metrics file in `out_dir`."""
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.count("hpcinfer: error") == 1, done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr, f"{fragment!r} not in {done.stderr!r}"
+    assert "Traceback" not in done.stderr
+    out_dir = Path(out_dir)
+    assert not (out_dir / "output.jsonl").exists() and not (out_dir / "metrics.json").exists()
+
 
 def checkpoint_with_eos(ckpt, path, eos) -> Path:
     """A copy of checkpoint `ckpt` at `path` whose eos_token_ids are `eos` (sequences then stop at those tokens)."""
@@ -145,3 +176,33 @@ def cut_at_eos(records: list, eos) -> list:
         stop = next((k for k, t in enumerate(tokens) if t in eos), None)
         expected.append(dict(r, output_tokens=tokens[:stop + 1], finish_reason="stop") if stop is not None else r)
     return expected
+
+
+def tiny_llama_job(root, prompt_lengths, seed: int = 3) -> Path:
+    """`root` holding m.h5 (hf_models' llama_mha, converted) and p.jsonl (random prompts of these lengths, ids 0,
+    1, ...): the job folder that `run_tiny_llama` runs."""
+    import numpy as np
+
+    from hf_models import save_tiny_model
+    from hpcinfer.checkpoint.hf import convert_hf
+
+    root = Path(root)
+    convert_hf(str(save_tiny_model("llama_mha", root / "hf")), str(root / "m.h5"))
+    rng = np.random.default_rng(seed)
+    (root / "p.jsonl").write_text("".join(json.dumps({"id": i, "tokens": rng.integers(0, 256, n).tolist()}) + "\n"
+                                          for i, n in enumerate(prompt_lengths)))
+    return root
+
+
+def run_tiny_llama(run_cli, cwd, root, out, n, sets, max_new: int, metrics=None) -> str:
+    """`hpcinfer run` of the `tiny_llama_job` in `root` on n ranks with these --set overrides, EOS ignored, writing
+    `out` (and the metrics to `metrics` if given); asserts exit 0 and returns the output's text."""
+    root = Path(root)
+    config = root / "job.toml"
+    config.write_text(f'[model]\ncheckpoint = "{root / "m.h5"}"\n[generate]\nprompts = "{root / "p.jsonl"}"\n'
+                      f'output = "{out}"\nmax_new_tokens = {max_new}\nignore_eos = true\n'
+                      + (f'metrics = "{metrics}"\n' if metrics is not None else ""))
+    args = ["run", str(config)] + [a for s in sets for a in ("--set", s)]
+    done = run_cli(args, n=n, timeout=120, cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return Path(out).read_text()

@@ -4,11 +4,9 @@ plus KV offload to host; the metrics report the quantized cache's bytes."""
 
 import json
 
-import numpy as np
 import pytest
 
-from hf_models import save_tiny_model
-from hpcinfer.checkpoint.hf import convert_hf
+from cli_helpers import run_tiny_llama, tiny_llama_job
 
 PROMPTS = (3, 9, 1, 14, 6)
 NEW = 6
@@ -17,23 +15,14 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 4, 16                    # llama_mha
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kv-quant-cli")
-    convert_hf(str(save_tiny_model("llama_mha", root / "hf")), str(root / "m.h5"))
-    rng = np.random.default_rng(3)
-    (root / "p.jsonl").write_text("".join(json.dumps({"id": i, "tokens": rng.integers(0, 256, n).tolist()}) + "\n"
-                                          for i, n in enumerate(PROMPTS)))
-    return root
+    return tiny_llama_job(tmp_path_factory.mktemp("kv-quant-cli"), PROMPTS)
 
 
 def run(run_cli, repo_root, root, out, n, *sets):
     """-> (results text, metrics dict)"""
-    config = root / "job.toml"
-    config.write_text(f'[model]\ncheckpoint = "{root / "m.h5"}"\n[generate]\nprompts = "{root / "p.jsonl"}"\n'
-                      f'output = "{out}"\nmax_new_tokens = {NEW}\nignore_eos = true\nmetrics = "{out}.metrics"\n')
-    args = ["run", str(config)] + [a for s in sets for a in ("--set", s)]
-    done = run_cli(args, n=n, timeout=120, cwd=repo_root)
-    assert done.returncode == 0, done.stderr
-    return out.read_text(), json.loads((out.parent / f"{out.name}.metrics").read_text())
+    metrics = out.parent / f"{out.name}.metrics"
+    text = run_tiny_llama(run_cli, repo_root, root, out, n, sets, max_new=NEW, metrics=metrics)
+    return text, json.loads(metrics.read_text())
 
 
 def test_int4_cache_and_topk_give_identical_tokens_across_layouts(run_cli, repo_root, job, tmp_path):

@@ -20,7 +20,8 @@ pytest.importorskip("transformers")
 import h5py  # noqa: E402
 
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
-from cli_helpers import CliJob, checkpoint_with_eos, cut_at_eos, write_token_prompts  # noqa: E402
+from cli_helpers import (CliJob, assert_fails_once_and_clearly, checkpoint_with_eos, cut_at_eos,  # noqa: E402
+                         output_records, write_token_prompts)
 from moe_models import write_dense_gpt, write_ds_moe, write_pr_moe  # noqa: E402
 
 PROMPT_LENGTHS = (3, 9, 1, 14, 6, 11, 4, 7)
@@ -52,10 +53,7 @@ def job(tmp_path_factory, run_cli, repo_root):
 def reference(job, tmp_path_factory):
     """One rank: the output file every layout must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    done = job.run(out)
-    assert done.returncode == 0, done.stderr
-    records = [json.loads(line) for line in (out / "output.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in records] == [f"p{i}" for i in range(len(PROMPT_LENGTHS))]
+    _, records = job.run_reference(out)
     assert len({tuple(r["output_tokens"]) for r in records}) == len(records)          # the tokens vary
     return (out / "output.jsonl").read_text()
 
@@ -107,8 +105,7 @@ def test_replicas_whose_sequences_stopped_keep_stepping_with_the_others(job, eos
     path, expected = eos_job
     done = job.run(tmp_path, f'model.checkpoint="{path}"', *overrides, n=n)
     assert done.returncode == 0, done.stderr
-    got = [json.loads(line) for line in (tmp_path / "output.jsonl").read_text().splitlines()]
-    assert got == expected
+    assert output_records(tmp_path) == expected
 
 
 def test_the_config_capacity_factor_overrides_the_checkpoints(job, tmp_path):
@@ -170,12 +167,7 @@ def test_bad_moe_input_fails_once_and_clearly(job, bad_checkpoints, tmp_path, n,
     if checkpoint is not None:
         overrides = [f'model.checkpoint="{bad_checkpoints[checkpoint]}"', *overrides]
     done = job.run(tmp_path, *overrides, n=n, timeout=BAD_TIMEOUT)
-    assert done.returncode == 2, (done.returncode, done.stderr)
-    assert done.stderr.count(ERROR) == 1, done.stderr
-    for fragment in fragments:
-        assert fragment in done.stderr, f"{fragment!r} not in {done.stderr!r}"
-    assert "Traceback" not in done.stderr
-    assert not (tmp_path / "output.jsonl").exists() and not (tmp_path / "metrics.json").exists()
+    assert_fails_once_and_clearly(done, tmp_path, fragments)
 
 
 def test_inspect_refuses_top_k_above_the_experts(bad_checkpoints, run_cli, repo_root):

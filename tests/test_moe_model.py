@@ -303,16 +303,9 @@ MIXTRAL_LENGTHS = (5, 17, 1, 30)
 def mixtral(tmp_path_factory):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hf_models import save_tiny_model
-    from hpcinfer.checkpoint.hf import convert_hf
+    from converted_models import converted_tiny_model
 
-    root = tmp_path_factory.mktemp("mixtral")
-    folder = save_tiny_model("mixtral", root / "hf")
-    convert_hf(str(folder), str(root / "model.h5"))
-    model = load_model(str(root / "model.h5"))
-    rng = np.random.default_rng(42)
-    prompts = [rng.integers(0, model.arch.vocab_size, n).tolist() for n in MIXTRAL_LENGTHS]
-    return folder, model, prompts
+    return converted_tiny_model("mixtral", tmp_path_factory.mktemp("mixtral"), MIXTRAL_LENGTHS)
 
 
 def test_mixtral_converts_with_every_layer_moe(mixtral):

@@ -13,7 +13,6 @@ runs here end to end; tests/test_offload_partitioned.py checks its rounds and re
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ pytest.importorskip("transformers")
 
 import h5py  # noqa: E402
 
-from cli_helpers import CliJob, write_token_prompts
+from cli_helpers import CliJob, assert_fails_once_and_clearly, metrics_of, write_token_prompts
 from hf_models import save_tiny_model
 from hpcinfer.api import generate, load_model  # noqa: E402
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
@@ -72,19 +71,12 @@ def job(tmp_path_factory, run_cli, repo_root):
 def reference(job, tmp_path_factory):
     """One rank, no [offload]: the output every offloaded run must write byte for byte."""
     out = tmp_path_factory.mktemp("reference")
-    done = job.run(out)
-    assert done.returncode == 0, done.stderr
-    got = [json.loads(line) for line in (out / "output.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in got] == [f"p{i}" for i in range(len(PROMPT_LENGTHS))]
+    _, got = job.run_reference(out)
     lengths = [len(r["output_tokens"]) for r in got]
     assert min(lengths) < MAX_NEW == max(lengths), lengths          # EOS stops some sequences early
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = metrics_of(out)
     assert metrics["offload"]["weights_peak_device_bytes_per_rank"] == 0                  # offload is off
     return out
-
-
-def metrics_of(out_dir: Path) -> dict:
-    return json.loads((out_dir / "metrics.json").read_text())
 
 
 def device_budget(job, *extra, tp=1) -> int:
@@ -318,10 +310,5 @@ def test_bad_offload_input_fails_once_and_clearly(job, tmp_path, case):
     overrides, n, fragments = case(job, tmp_path)
     out = tmp_path / "out"
     done = job.run(out, *overrides, n=n, timeout=BAD_TIMEOUT)
-    assert done.returncode == 2, (done.returncode, done.stderr)
-    assert done.stderr.count(ERROR) == 1, done.stderr
+    assert_fails_once_and_clearly(done, out, fragments)
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    for fragment in fragments:
-        assert fragment in done.stderr, f"{fragment!r} not in {done.stderr!r}"
-    assert "Traceback" not in done.stderr
-    assert not (out / "output.jsonl").exists() and not (out / "metrics.json").exists()

@@ -4,9 +4,9 @@ packed batch of mixed-length prompts, and greedy generations, single rank."""
 import numpy as np
 import pytest
 
-from hf_models import VARIANTS, hf_greedy, hf_reference_logits, save_tiny_model
-from hpcinfer.api import generate, load_model, prompt_logits
-from hpcinfer.checkpoint.hf import convert_hf
+from converted_models import converted_tiny_model
+from hf_models import VARIANTS, hf_greedy, hf_reference_logits
+from hpcinfer.api import generate, prompt_logits
 
 LENGTHS = (5, 17, 1, 30)
 NEW_TOKENS = 10
@@ -14,13 +14,7 @@ NEW_TOKENS = 10
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def tiny(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    folder = save_tiny_model(request.param, root / "hf")
-    convert_hf(str(folder), str(root / "model.h5"))
-    model = load_model(str(root / "model.h5"))
-    rng = np.random.default_rng(42)
-    prompts = [rng.integers(0, model.arch.vocab_size, n).tolist() for n in LENGTHS]
-    return folder, model, prompts
+    return converted_tiny_model(request.param, tmp_path_factory.mktemp(request.param), LENGTHS)
 
 
 def test_last_position_logits_match_transformers(tiny):

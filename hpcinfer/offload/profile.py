@@ -236,16 +236,16 @@ def measure(tmp_dir: str, device_memory: int | None = None, host_memory: int | N
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
     nbytes = src.nbytes
-    copy_s = _best_of(3, lambda: np.copyto(dst, src))
-    copy_back_s = _best_of(3, lambda: np.copyto(src, dst))
+    copy_s = best_of(3, lambda: np.copyto(dst, src))
+    copy_back_s = best_of(3, lambda: np.copyto(src, dst))
     write_s, read_s, note = _disk_times(tmp_dir, src)
     a = np.random.default_rng(0).random((2048, 2048), dtype=np.float32)
     b = np.random.default_rng(1).random((2048, 2048), dtype=np.float32)
-    matmul_s = _best_of(3, lambda: a @ b)
+    matmul_s = best_of(3, lambda: a @ b)
     flops = 2.0 * 2048**3 / matmul_s
     big = src.reshape(-1, 1024)                                      # [N, 1024]: a gemv reads it once
     vec = np.ones(1024, np.float32)
-    read_mem_s = _best_of(3, lambda: big @ vec)
+    read_mem_s = best_of(3, lambda: big @ vec)
     bandwidth = nbytes / read_mem_s
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     notes = ["numpy backend: host<->device is a memcpy, device and host rates are the same numbers"]
@@ -263,7 +263,8 @@ def measure(tmp_dir: str, device_memory: int | None = None, host_memory: int | N
         device_flops=flops, host_flops=flops, device_bandwidth=bandwidth, host_bandwidth=bandwidth)
 
 
-def _best_of(repeats: int, fn) -> float:
+def best_of(repeats: int, fn) -> float:
+    """The fastest of `repeats` timed calls of `fn` (seconds, at least 1e-9), after one untimed warm-up call."""
     fn()                                                             # warm up: page faults, BLAS threads
     best = float("inf")
     for _ in range(repeats):
