@@ -37,22 +37,55 @@ What it checks, as a GPU would refuse it:
   end_capture raises too); device work on another stream during a capture raises cudaErrorStreamCaptureImplicit.
   `end_capture()` returns a Graph whose `launch()` replays the closures in order with the same memory and the same
   scalars, as a CUDA graph does: a value baked in from the host at capture time gives wrong results at replay.
+- streams, events and pinned memory (an async copy engine's ordering bugs): the current stream is per host thread
+  (`with s:` / `s.use()` on one thread leave the others' alone), as cupy's; the capture state is global. Device
+  work runs at once, on the host; async copies do not: `dst.set(host, stream=s)` and
+  `src.get(stream=s, out=host, blocking=False)` (s not the null stream; a get with stream=None uses the current
+  stream) with a pinned host array (`cupyx.empty_pinned` / `zeros_pinned` and views of them; `empty_pinned` memory
+  starts as 0xFF bytes) are queued on s; a download's host `out` is poisoned (0xFF) at once (an upload's device
+  destination is not: a download queued before it on s must still read the old contents). Queued copies run,
+  in order, when s is flushed: `s.synchronize()`; `ev.synchronize()` or `other.wait_event(ev)` for an event
+  recorded on s (up to the event); `Device().synchronize()` / `runtime.deviceSynchronize()` (every stream); a
+  blocking `get` on s; device work on s itself (stream order; kernels with `stream=` count as work on it); and
+  device work (or a synchronous transfer or sync) on the legacy null stream flushes every *blocking* stream
+  (`Stream()`, non_blocking=False), never a non_blocking one. `ev.done` is a query (True once the queue has run
+  past the event; runs nothing); an event recorded with nothing queued is done at once; one recorded on the null
+  stream marks every blocking stream's queue. A host -> device copy takes a snapshot of its host bytes when issued
+  and raises `StreamOrderError` (an AssertionError) when it runs if they changed (a pinned buffer reused before
+  the copy's event completed). Until it runs, its destination bytes are "pending": any op, kernel launch,
+  ElementwiseKernel, Graph.launch, synchronous get/set/item/int() that touches them (views of the same allocation
+  included; only the overlapping bytes count) raises `StreamOrderError` naming the stream, except ops that only
+  make a view. A device -> host copy reads the device memory when it runs, so device work issued meanwhile on
+  another stream without a wait shows in `out` (the race a late copy has on a GPU). Copies with pageable host
+  memory run at once (CUDA stages them synchronously) and count in `_state.pageable_async_copies`; queued copies
+  that ran count in `_state.async_copies` and `_state.async_copy_bytes`. Copies without a stream (or on the null
+  stream) are synchronous, as before. Async copies inside a capture raise, as other transfers.
 - NCCL is absent (`cupy.cuda.nccl.available` is False), as on a machine without the library.
 
 What it cannot check: speed (an emulated launch costs ~0.01-0.1 s: keep models tiny); the memory model (blocks
 run one after another, threads switch only at barriers: a missing __syncthreads or a race can pass; an access far
 outside an allocation is not caught); real NVRTC (a source g++ accepts may still fail NVRTC:
-tests/test_kernels_compile.py checks that); cuBLAS numerics (matmul is NumPy's); concurrency between streams;
-memory pools and allocators are no-ops (no out-of-memory); a capture runs the work eagerly too (CUDA only records
-it), so results computed inside a capture are already there before the first launch.
+tests/test_kernels_compile.py checks that); cuBLAS numerics (matmul is NumPy's); concurrency between streams for
+device work (it runs at once, in host order: a missing wait between two compute streams, or a kernel reading
+memory that a device -> device copy on another stream writes, passes; only host <-> device copies are deferred);
+write-after-read races on an async copy's
+destination (a pending H2D copy overwriting memory that earlier work on another stream still reads looks like it
+ran after that work); memory reuse across streams (memory pools and allocators are no-ops: no out-of-memory, no
+stream-ordered reuse of freed blocks, so a missing `reuse_after` wait passes); Graph.launch checks only the
+memory its recorded work touched; a capture runs the work eagerly too (CUDA only records it), so results computed
+inside a capture are already there before the first launch; device work on a non-capturing stream during a
+capture (legal in CUDA from another thread) is refused, as before.
 
 Where it is (tests/emu_cupy/, one module per part of the fake):
-    state.py      errors (CUDARuntimeError, CompileException), the poison constants, and the one mutable state
-                  (`_state`: device, stream stack, capture; `_fake`: the module of the latest build())
-    arrays.py     device arrays: `ndarray` and `_op` (run a NumPy function on device memory, recorded in a capture)
-    functions.py  the module's functions (asarray, empty, ...; any NumPy function through __getattr__)
+    state.py      errors (CUDARuntimeError, StreamOrderError, CompileException), the poison constants, and the one
+                  mutable state (`_state`: device, per-thread stream stack, capture, copy queues, pending device
+                  memory, pinned buffers, copy counters; `_fake`: the module of the latest build())
+    arrays.py     device arrays: `ndarray` (get/set, async copies queued on a stream) and `_op` (run a NumPy
+                  function on device memory, recorded in a capture)
+    functions.py  the module's functions (asarray, empty, ...; any NumPy function through __getattr__), cupyx's
+                  pinned arrays
     kernels.py    RawModule, RawKernel, ElementwiseKernel on the CPU emulator, the guarded launch
-    devices.py    Device, Stream, Graph, Event, memory pools, the fake cupy.cuda.runtime
+    devices.py    Device, Stream (its copy queue and flushes), Graph, Event, memory pools, cupy.cuda.runtime
     __init__.py   the assembly: build() the fake modules, install() / installed() them, the pytest plugin hooks
 """
 
@@ -71,14 +104,16 @@ from .arrays import ndarray
 from .devices import (Device, Event, Graph, MemoryPool, PinnedMemoryPool, Stream, _default_pool, _pinned_pool,
                       _runtime_module, get_current_stream, using_allocator)
 from .functions import (_module_getattr, _scatter_add, array, asarray, ascontiguousarray, asnumpy, empty, empty_like,
-                        get_array_module, is_available)
+                        empty_like_pinned, empty_pinned, get_array_module, is_available, zeros_like_pinned,
+                        zeros_pinned)
 from .kernels import ElementwiseKernel, RawKernel, RawModule
-from .state import GUARD_BYTES, POISON_BYTE, CompileException, CUDARuntimeError
+from .state import GUARD_BYTES, POISON_BYTE, CompileException, CUDARuntimeError, StreamOrderError
 
 __all__ = ["CUDARuntimeError", "CompileException", "Device", "ElementwiseKernel", "Event", "GUARD_BYTES", "Graph",
-           "MemoryPool", "POISON_BYTE", "PinnedMemoryPool", "RawKernel", "RawModule", "Stream", "array", "asarray",
-           "ascontiguousarray", "asnumpy", "build", "empty", "empty_like", "get_array_module", "get_current_stream",
-           "install", "installed", "is_available", "ndarray", "using_allocator"]
+           "MemoryPool", "POISON_BYTE", "PinnedMemoryPool", "RawKernel", "RawModule", "Stream", "StreamOrderError",
+           "array", "asarray", "ascontiguousarray", "asnumpy", "build", "empty", "empty_like", "empty_pinned",
+           "get_array_module", "get_current_stream", "install", "installed", "is_available", "ndarray",
+           "using_allocator", "zeros_pinned"]
 
 __version__ = "14.0.0+emulated"
 
@@ -94,6 +129,7 @@ def build(devices: int = 1, sm_count: int = 2) -> dict[str, types.ModuleType]:
     """A fresh fake cupy: {module name: module} for sys.modules (state reset: no capture, device 0)."""
     state._state = state._State(devices, sm_count)
     Stream.null._ops = Stream.null._invalid = None
+    Stream.null._queue, Stream.null._enqueued, Stream.null._flushed = [], 0, 0
 
     cp = types.ModuleType("cupy")
     cp.__doc__ = "CuPy stand-in over NumPy and the CPU kernel emulator (tests/emu_cupy/)"
@@ -133,6 +169,9 @@ def build(devices: int = 1, sm_count: int = 2) -> dict[str, types.ModuleType]:
 
     cupyx = types.ModuleType("cupyx")
     cupyx.scatter_add = _scatter_add
+    for name, value in dict(empty_pinned=empty_pinned, zeros_pinned=zeros_pinned, empty_like_pinned=empty_like_pinned,
+                            zeros_like_pinned=zeros_like_pinned).items():
+        setattr(cupyx, name, value)
     state._fake = cp
     return {"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.compiler": compiler,
             "cupy.cuda.nvrtc": nvrtc, "cupy.cuda.nccl": nccl, "cupy.cuda.graph": graph, "cupyx": cupyx}

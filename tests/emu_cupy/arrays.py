@@ -1,5 +1,6 @@
 """Device arrays of the fake cupy (tests/emu_cupy/): `ndarray` wraps NumPy memory that host code reaches only through
-.get() / .set(); `_op` runs a NumPy function on that memory (and records it while a stream captures)."""
+.get() / .set() (synchronous, or queued on a stream as an async copy: _HostToDevice, _DeviceToHost); `_op` runs a
+NumPy function on that memory (and records it while a stream captures)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import operator
 import types
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from . import state
 from .devices import Device
-from .state import POISON_BYTE
+from .state import POISON_BYTE, StreamOrderError, poison, raise_pending
 
 
 def _is_host_array(x) -> bool:
@@ -54,18 +56,49 @@ def _has_host_data(x) -> bool:
 
 def _op(fn, args, kwargs=None, *, strict=True, what=None):
     """Run fn (a NumPy function) on the memory of device arrays and wrap the results as device arrays; while a
-    stream captures, also record it (a closure that writes the same output memory), unless it made a view."""
+    stream captures, also record it (a closure that writes the same output memory), unless it made a view. Memory
+    with a pending async host -> device copy may only be viewed (StreamOrderError otherwise)."""
     kwargs = kwargs or {}
-    ops = state._state.device_op(what or getattr(fn, "__name__", "operation"))
+    what = what or getattr(fn, "__name__", "operation")
+    ops = state._state.device_work(what)
     found: list = []
     a, k = _unwrap(args, found, strict), _unwrap(kwargs, found, strict)
-    result = fn(*a, **k)
+    hits = state._state.pending_hits(found)
+    result = _run_checked(fn, a, k, hits, what) if hits else fn(*a, **k)
     if isinstance(result, np.generic):
         result = np.asarray(result)               # cupy gives 0-d device arrays, never scalars
     if ops is not None:
         _record(ops, fn, a, k, result, found)
     originals = {id(v._a): v for v in _iter_wrapped((args, kwargs))}
     return _wrap(result, originals)
+
+
+def _run_checked(fn, a, k, hits, what):
+    """fn on memory that a pending copy writes: allowed only when it makes a view (no memory is touched)."""
+    try:
+        result = fn(*a, **k)
+    except Exception as exc:
+        raise StreamOrderError(f"{what} failed on device memory with a pending async copy ({exc})") from exc
+    if not _is_view(result, k, [x for x in _flat_arrays((a, k))]):
+        raise_pending(hits, what)
+    return result
+
+
+def _flat_arrays(x):
+    if isinstance(x, np.ndarray):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _flat_arrays(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _flat_arrays(v)
+
+
+def _is_view(result, k, inputs) -> bool:
+    """The op only made a view of an input (reshape, transpose, basic slice, astype(copy=False))."""
+    return (isinstance(result, np.ndarray) and "out" not in k
+            and any(np.may_share_memory(result, i) for i in inputs))
 
 
 def _iter_wrapped(x):
@@ -81,13 +114,11 @@ def _iter_wrapped(x):
 
 def _record(ops: list, fn, a, k, result, inputs):
     if result is None or "out" in k:
-        ops.append(lambda: fn(*a, **k))
-        return
+        return _append(ops, lambda: fn(*a, **k), inputs)
     outputs = result if isinstance(result, tuple) else (result,)
     if not all(isinstance(r, np.ndarray) for r in outputs):
-        ops.append(lambda: fn(*a, **k))
-        return
-    if len(outputs) == 1 and any(np.may_share_memory(result, i) for i in inputs):
+        return _append(ops, lambda: fn(*a, **k), inputs)
+    if len(outputs) == 1 and _is_view(result, k, inputs):
         return                                    # a view (reshape, transpose, basic slice, astype(copy=False))
 
     def replay():
@@ -95,7 +126,13 @@ def _record(ops: list, fn, a, k, result, inputs):
         for r, f in zip(outputs, fresh if isinstance(result, tuple) else (fresh,)):
             r[...] = f
 
-    ops.append(replay)
+    _append(ops, replay, [*inputs, *outputs])
+
+
+def _append(ops: list, closure, touched):
+    """Record a closure with the device memory it uses (Graph.launch checks it for pending copies)."""
+    closure.touched = list(touched)
+    ops.append(closure)
 
 
 class ndarray(NDArrayOperatorsMixin):
@@ -118,13 +155,21 @@ class ndarray(NDArrayOperatorsMixin):
 
     # --- host <-> device
     def get(self, stream=None, order="C", out=None, blocking=True):
+        """Device -> host. Synchronous (as before) unless blocking=False on a non-null stream (the given one, or the
+        current one): then queued on that stream (see _copy_to_host_async)."""
         state._state.host_sync("ndarray.get() (device -> host copy)")
+        target = state._state.current() if stream is None else stream
+        if not blocking and not target.is_null:
+            return _copy_to_host_async(self, target, out, order)
+        self._ordered_read("ndarray.get()", target)
         if out is not None:
-            out[...] = self._a
+            _check_out(self, out)[...] = self._a
             return out
         return np.array(self._a, copy=True, order=order)
 
     def set(self, arr, stream=None):
+        """Host -> device. Synchronous (as before) without a stream or on the null stream; on another stream,
+        queued there (see _copy_from_host_async)."""
         state._state.host_sync("ndarray.set() (host -> device copy)")
         arr = np.asarray(arr)
         if arr.shape != self.shape:
@@ -133,22 +178,36 @@ class ndarray(NDArrayOperatorsMixin):
             raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
         if not self._a.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
+        if stream is not None and not stream.is_null:
+            return _copy_from_host_async(self, arr, stream)
+        state._state.order_before(state._state.current())
+        state._state.check_pending([self._a], "ndarray.set()")
         self._a[...] = arr
+
+    def _read_to_host(self, what):
+        state._state.host_sync(f"{what} (device -> host copy)")
+        self._ordered_read(what)
+
+    def _ordered_read(self, what, stream=None):
+        """A synchronous device -> host read: after the queued copies it is ordered after, never of memory that a
+        copy on another stream is still writing."""
+        state._state.order_before(stream or state._state.current())
+        state._state.check_pending([self._a], what)
 
     def __array__(self, dtype=None, copy=None):
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a "
                         "NumPy array explicitly.")
 
     def item(self, *args):
-        state._state.host_sync("ndarray.item() (device -> host copy)")
+        self._read_to_host("ndarray.item()")
         return self._a.item(*args)
 
     def tolist(self):
-        state._state.host_sync("ndarray.tolist() (device -> host copy)")
+        self._read_to_host("ndarray.tolist()")
         return self._a.tolist()
 
     def _scalar(self, kind, what):
-        state._state.host_sync(f"{what}(device array) (device -> host copy)")
+        self._read_to_host(f"{what}(device array)")
         return kind(self._a)
 
     def __int__(self):
@@ -161,7 +220,7 @@ class ndarray(NDArrayOperatorsMixin):
         return self._scalar(bool, "bool")
 
     def __index__(self):
-        state._state.host_sync("operator.index(device array) (device -> host copy)")
+        self._read_to_host("operator.index(device array)")
         return operator.index(self._a)
 
     def __complex__(self):
@@ -236,3 +295,88 @@ def _empty(shape, dtype=float, order="C"):
     a = np.empty(shape, dtype=dtype, order=order)
     a.view(np.uint8).fill(POISON_BYTE) if a.flags.c_contiguous and a.dtype.itemsize else None
     return a
+
+
+# --- async copies: queued on a stream, run when it is flushed (devices.Stream._flush)
+def _check_out(src: ndarray, out):
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.shape != src.shape or out.dtype != src.dtype:
+        raise ValueError(f"out ({out.shape}, {out.dtype}) does not match the array ({src.shape}, {src.dtype})")
+    if not (out.flags.c_contiguous or out.flags.f_contiguous):
+        raise RuntimeError("Cannot copy to a non-contiguous out array")
+    return out
+
+
+def _copy_from_host_async(dst: ndarray, host: np.ndarray, stream):
+    """set(host, stream=s): from pinned memory, queued on s (dst pending until it runs, host bytes snapshotted);
+    from pageable memory, run now (CUDA stages pageable memory synchronously) and counted."""
+    if not host.flags.c_contiguous:
+        host = np.ascontiguousarray(host)        # a staging copy: pageable
+    st = state._state
+    st.check_pending([dst._a], "ndarray.set(stream=...) into", allow=stream)
+    if not st.is_pinned(host):
+        st.pageable_async_copies += 1
+        st.order_before(stream)
+        dst._a[...] = host
+        return
+    # not poisoned now: a copy queued before this one on the same stream (a download of the old contents) must
+    # still read them; device work that touches the range before the copy ran raises (state.check_pending)
+    copy = _HostToDevice(dst._a, host, stream)
+    with st.lock:
+        st.pending.append(copy)
+        stream._enqueue(copy)
+
+
+def _copy_to_host_async(src: ndarray, stream, out, order):
+    """get(stream=s, out=pinned, blocking=False): queued on s (out poisoned until it runs, the device memory read
+    when it runs); into pageable memory (or no out), run now and counted."""
+    st = state._state
+    st.check_pending([src._a], "ndarray.get(stream=..., blocking=False)", allow=stream)
+    if out is None or not st.is_pinned(out):
+        st.pageable_async_copies += 1
+        st.order_before(stream)
+        if out is None:
+            return np.array(src._a, copy=True, order=order)
+        _check_out(src, out)[...] = src._a
+        return out
+    poison(_check_out(src, out))
+    stream._enqueue(_DeviceToHost(src._a, out))
+    return out
+
+
+class _HostToDevice:
+    """A queued host -> device copy: its destination [lo, hi) is pending (state.pending) until it runs."""
+
+    def __init__(self, dst: np.ndarray, host: np.ndarray, stream):
+        self.dst, self.host, self.snapshot, self.stream = dst, host, host.tobytes(), stream
+        self.lo, self.hi = byte_bounds(dst)
+
+    def run(self):
+        try:
+            if self.host.tobytes() != self.snapshot:
+                raise StreamOrderError(
+                    f"the host buffer of an async host->device copy (stream {self.stream!r}, {self.host.nbytes} "
+                    "bytes) changed before the copy ran: keep pinned sources unchanged until the copy's event has "
+                    "completed")
+            self.dst[...] = self.host
+            _count(self.host.nbytes)
+        finally:
+            with state._state.lock:
+                state._state.pending.remove(self)
+
+
+class _DeviceToHost:
+    """A queued device -> host copy: copies what the device memory holds when it runs."""
+
+    def __init__(self, src: np.ndarray, out: np.ndarray):
+        self.src, self.out = src, out
+
+    def run(self):
+        self.out[...] = self.src
+        _count(self.out.nbytes)
+
+
+def _count(nbytes: int):
+    state._state.async_copies += 1
+    state._state.async_copy_bytes += int(nbytes)

@@ -1,5 +1,6 @@
 """Devices and streams of the fake cupy (tests/emu_cupy/): Device, Stream (capture into a Graph that replays the
-recorded work), Event, no-op memory pools and allocators, and the fake `cupy.cuda.runtime` module."""
+recorded work; a queue of async copies that run when the stream is flushed), Event (a mark in the queues),
+no-op memory pools and allocators, and the fake `cupy.cuda.runtime` module."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Device:
         state._state.device = self._previous.pop()
 
     def synchronize(self):
-        state._state.host_sync("Device.synchronize()")
+        _device_synchronize("Device.synchronize()")
 
     @property
     def attributes(self):
@@ -57,9 +58,12 @@ class Graph:
 
     def __init__(self, ops):
         self._ops = list(ops)
+        self._touched = [a for op in self._ops for a in getattr(op, "touched", ())]
 
     def launch(self, stream=None):
         state._state.device_op("Graph.launch")
+        state._state.order_before(stream or state._state.current())
+        state._state.check_pending(self._touched, "Graph.launch")
         for op in self._ops:
             op()
 
@@ -71,16 +75,32 @@ class Graph:
 
 
 class Event:
+    """A mark in the copy queues of the stream it was recorded on (of every blocking stream, when recorded on the
+    legacy null stream): done once those queues have run past it."""
+
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        pass
+        self._marks: dict = {}          # stream -> how many copies had been queued on it at the record
 
     def record(self, stream=None):
-        pass
+        stream = stream or state._state.current()
+        with state._state.lock:
+            if stream.is_null:
+                self._marks = {s: s._enqueued for s in state._state.queued if not s.non_blocking}
+            else:
+                self._marks = {stream: stream._enqueued}
 
     def synchronize(self):
         state._state.host_sync("Event.synchronize()")
+        self._flush()
 
-    done = property(lambda self: True)
+    def _flush(self):
+        for stream, mark in list(self._marks.items()):
+            stream._flush(mark)
+
+    @property
+    def done(self) -> bool:
+        """True once the queued copies before the record have run (a query: runs nothing)."""
+        return all(stream._flushed >= mark for stream, mark in list(self._marks.items()))
 
 
 class Stream:
@@ -89,6 +109,8 @@ class Stream:
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
         self.is_null, self.non_blocking = null, non_blocking
         self._ops, self._invalid = None, None
+        self._queue: list = []              # async copies not yet run, in issue order
+        self._enqueued = self._flushed = 0  # copies ever queued / run (events mark _enqueued)
 
     ptr = property(lambda self: 0 if self.is_null else id(self))
 
@@ -125,16 +147,42 @@ class Stream:
 
     def synchronize(self):
         state._state.host_sync("Stream.synchronize()")
+        state._state.order_before(self)
 
     def record(self, event=None):
-        return event or Event()
+        event = event or Event()
+        event.record(self)
+        return event
 
     def wait_event(self, event):
-        pass
+        """Work issued on this stream from now on comes after the event: device work runs eagerly here, so the
+        copies the event marks run now."""
+        event._flush()
 
     def launch_host_func(self, callback, arg):
         state._state.host_sync("Stream.launch_host_func")
+        state._state.order_before(self)
         callback(arg)
+
+    @property
+    def done(self) -> bool:
+        return not self._queue
+
+    def _enqueue(self, copy):
+        with state._state.lock:
+            self._queue.append(copy)
+            self._enqueued += 1
+            state._state.queued.add(self)
+
+    def _flush(self, upto=None):
+        """Run the queued copies, in order, up to the `upto`-th ever queued (all when None)."""
+        with state._state.lock:
+            while self._queue and (upto is None or self._flushed < upto):
+                copy = self._queue.pop(0)
+                self._flushed += 1
+                if not self._queue:
+                    state._state.queued.discard(self)
+                copy.run()
 
     def __repr__(self):
         return f"<Stream {self.ptr} (emulated)>"
@@ -145,6 +193,11 @@ Stream.null = Stream(null=True)
 
 def get_current_stream(device_id=None):
     return state._state.current()
+
+
+def _device_synchronize(what: str):
+    state._state.host_sync(what)
+    state._state.flush_all()
 
 
 class _Memory:
@@ -201,7 +254,7 @@ def _runtime_module():
     m.getDeviceCount = lambda: state._state.devices
     m.getDevice = lambda: state._state.device
     m.setDevice = lambda i: Device(i).use()
-    m.deviceSynchronize = lambda: state._state.host_sync("cudaDeviceSynchronize")
+    m.deviceSynchronize = lambda: _device_synchronize("cudaDeviceSynchronize")
     m.memGetInfo = lambda: (64 << 30, 80 << 30)
     m.runtimeGetVersion = lambda: 12080
     m.driverGetVersion = lambda: 12080

@@ -1,5 +1,6 @@
 """The fake `cupy` module's functions (tests/emu_cupy/): transfers, allocation, any other NumPy function run on
-device arrays (`_module_getattr`, the module's __getattr__), and cupyx.scatter_add."""
+device arrays (`_module_getattr`, the module's __getattr__), cupyx.scatter_add, and cupyx's pinned host arrays
+(NumPy arrays registered as pinned: async copies from / to them are queued on their stream)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def ascontiguousarray(a, dtype=None):
 
 def asnumpy(a, stream=None, order="C", out=None, blocking=True):
     if isinstance(a, ndarray):
-        return a.get(order=order, out=out)
+        return a.get(stream=stream, order=order, out=out, blocking=blocking)
     return np.asarray(a, order=order)
 
 
@@ -87,3 +88,25 @@ def _scatter_add(a, slices, value):
     if _has_host_data(slices):
         state._state.host_sync("cupyx.scatter_add with a host index array (host -> device copy)")
     _op(np.add.at, (a, slices, value), strict=False, what="cupyx.scatter_add")
+
+
+def empty_pinned(shape, dtype=float, order="C"):
+    """cupyx.empty_pinned: a NumPy array in pinned memory, uninitialised (0xFF bytes here, as cp.empty)."""
+    a = np.empty(shape, dtype=dtype, order=order)
+    state.poison(a)
+    state._state.pin(a)
+    return a
+
+
+def zeros_pinned(shape, dtype=float, order="C"):
+    a = empty_pinned(shape, dtype, order)
+    a[...] = 0
+    return a
+
+
+def empty_like_pinned(a, dtype=None, order="K", subok=None, shape=None):
+    return empty_pinned(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def zeros_like_pinned(a, dtype=None, order="K", subok=None, shape=None):
+    return zeros_pinned(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)

@@ -134,8 +134,10 @@ class RawKernel:
                                     f"reads the wrong bytes on a GPU")
                 values.append(given.item())
         grid, block = _dims(grid), _dims(block)
-        ops = state._state.device_op(f"kernel {self.name}")
+        ops = state._state.device_work(f"kernel {self.name}", stream)
         module, name = self._module, self.name
+        touched = [v for v in values if isinstance(v, np.ndarray)]
+        state._state.check_pending(touched, f"kernel {self.name}")
 
         pnames = [p for _, p in params]
 
@@ -144,6 +146,7 @@ class RawKernel:
 
         run()
         if ops is not None:
+            run.touched = touched
             ops.append(run)
 
 
@@ -304,7 +307,9 @@ class ElementwiseKernel:
             self._compiled[key] = (module, fname)
         module, fname = self._compiled[key]
         memories = [a._a if isinstance(a, ndarray) else a for a in given]
-        ops = state._state.device_op(f"ElementwiseKernel {self.name}")
+        ops = state._state.device_work(f"ElementwiseKernel {self.name}", stream)
+        touched = [m for m in memories if isinstance(m, np.ndarray)]
+        state._state.check_pending(touched, f"ElementwiseKernel {self.name}")
 
         def run():
             pointers, copy_back = [], []
@@ -324,6 +329,7 @@ class ElementwiseKernel:
 
         run()
         if ops is not None:
+            run.touched = touched
             ops.append(run)
         if self.no_return:
             return None
