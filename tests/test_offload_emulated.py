@@ -24,16 +24,21 @@ def prompts():
 
 PLACEMENTS = {"host": dict(weights_gpu=25, weights_cpu=75, prefetch_layers=1),
               "disk": dict(weights_gpu=0, weights_cpu=50, prefetch_layers=2),
-              "zigzag": dict(weights_gpu=50, weights_cpu=50, schedule="zigzag", num_gpu_batches=2)}
+              "zigzag": dict(weights_gpu=50, weights_cpu=50, schedule="zigzag", num_gpu_batches=2),
+              "zigzag-kv-host": dict(weights_gpu=50, weights_cpu=50, schedule="zigzag", num_gpu_batches=2,
+                                     cache_gpu=0, cache_cpu=100),
+              "cpu-attention": dict(weights_gpu=50, weights_cpu=50, schedule="zigzag", num_gpu_batches=2,
+                                    cache_gpu=0, cache_cpu=100, cpu_attention=True)}
 
 
-def run(ops, prompts, off, quantize):
+def run(ops, prompts, off, quantize, with_times=False):
     source = preset("tiny-dense")
     if quantize:
         configure(source, quantize, 32)
     model = build(source, off, ops)
     out, times = generate(model, prompts, off)
-    return [tokens for tokens, _ in out], model.weights
+    tokens = [tokens for tokens, _ in out]
+    return (tokens, model.weights, times) if with_times else (tokens, model.weights)
 
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
@@ -44,8 +49,14 @@ def test_streamed_weights_on_emulated_cupy_give_numpys_tokens_and_bytes(prompts,
     with emu.installed():
         from hpcinfer.backend.cupy_ops import CupyOps
 
-        got, gpu_tiers = run(CupyOps(device=0), prompts, offload(tmp_path / "gpu", **PLACEMENTS[placement]),
-                             quantize)
+        got, gpu_tiers, times = run(CupyOps(device=0), prompts,
+                                    offload(tmp_path / "gpu", **PLACEMENTS[placement]), quantize, with_times=True)
+        # every copy of the offload paths went through the copy engine: pinned host memory, the copy stream
+        # (the stand-in runs such a copy only when an event after it is waited on: a read without the wait fails)
+        assert emu._state.pageable_async_copies == 0
+        kv_moved = times.kv_bytes_to_device + times.kv_bytes_to_host
+        assert emu._state.async_copy_bytes == gpu_tiers.bytes_from_host + gpu_tiers.bytes_from_disk + kv_moved
+        assert (kv_moved > 0) == (placement == "zigzag-kv-host")
         assert gpu_tiers.streamed, "no layer was streamed"
         for i in gpu_tiers.streamed:                                 # what was streamed is the backend's
             for holder, key in gpu_tiers.tensors[i]:

@@ -7,9 +7,9 @@ int8 68 bytes (256 / 68 = 3.76x smaller), int4 36 bytes (256 / 36 = 7.11x). The 
 to 16): int8 20 bytes (3.2x), int4 12 bytes (5.33x).
 
 What must hold, on the NumPy backend in one process (tp = 2 under mpiexec: tests/test_mpi_offload_kv_quant.py):
-- zig-zag with a quantized cache on the device, in host memory through the staging cache, or read in place by
+- zig-zag with a quantized cache on the device, in host memory through the staging buffers, or read in place by
   CPU attention, gives exactly the tokens of the row schedule with the same KV mode and GPU batches;
-- the host and staging caches hold QuantizedKV parts, and the KV bytes moved (host <-> device) are the float32
+- the host caches and staging buffers hold QuantizedKV parts, and the KV bytes moved (host <-> device) are the float32
   bytes divided by exactly 4 hd / row_bytes: each load/store moves the quantized parts as they are;
 - the budget check counts the cache at the format's bytes (a batch that float32 KV cannot fit, int4 fits), and
   its count is what the run holds; the cost model's KV term, and with it the LP, uses the same bytes.
@@ -31,7 +31,6 @@ from hpcinfer.errors import ConfigError
 from hpcinfer.generate.engine import GenerationParams, StepTimes
 from hpcinfer.job import _offloaded_batch
 from hpcinfer.model.transformer import Decoder
-from hpcinfer.offload import zigzag
 from hpcinfer.offload.budget import check_budgets, plan_bytes
 from hpcinfer.offload.cost_model import CostModel, ModelSizes
 from hpcinfer.offload.lp import search_policy
@@ -41,6 +40,7 @@ from hpcinfer.offload.sizes import kv_token_bytes
 from hpcinfer.parallel.stages import partition_layers
 from hpcinfer.quant.kv import QuantizedKV, kv_format
 from hpcinfer.runtime import _weight_tiers
+from test_offload import host_kvs
 
 PROMPT_LENGTHS = (3, 9, 1, 14, 6, 11, 4, 7)
 MAX_NEW = 6
@@ -107,18 +107,11 @@ def test_zigzag_gives_the_row_schedules_tokens_with_a_quantized_cache(prompts, r
     off = OffloadSection(**ZIGZAG[placement])
     if off.weights_gpu + off.weights_cpu < 100:
         off = dataclasses.replace(off, disk_dir=str(tmp_path / "disk"))
-    made = []
-    init = zigzag.HostKV.__init__
-
-    def logged(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(zigzag.HostKV, "__init__", logged)
+    made = host_kvs(monkeypatch)
     out, times = generate(build(source(), off, mode), prompts, off)
     assert out == row_reference[mode]
     (host_kv,) = made
-    caches = list(host_kv.host.values()) + ([host_kv.staging] if host_kv.staging is not None else [])
+    caches = list(host_kv.host.values()) + host_kv.staging
     assert len(host_kv.host) == 4 - round(4 * off.cache_gpu / 100)
     assert all(isinstance(a, QuantizedKV) and a.fmt.mode == mode for c in caches for a in c.k + c.v)
     moves = off.cache_gpu < 100 and not off.cpu_attention
@@ -147,7 +140,7 @@ def kv_moved(mode: str, head_dim: int, prompts) -> StepTimes:
 @pytest.mark.parametrize("head_dim", (16, 64))
 def test_the_staging_cache_moves_the_quantized_bytes(prompts, head_dim):
     """cache_gpu = 0 over 4 GPU batches: every layer of every step loads each batch's K and V (N sequences,
-    4 KV heads, Lmax rows) to the staging cache and stores them back. Bytes per direction, exactly:
+    4 KV heads, Lmax rows) to a staging buffer and stores them back. Bytes per direction, exactly:
     MAX_NEW steps * 4 layers * 2 (K, V) * N * 4 heads * Lmax * row bytes; float32 over quantized is 4 hd / row."""
     float_row = 4 * head_dim
     expect = lambda row: MAX_NEW * 4 * 2 * N * 4 * MAX_LEN * row
@@ -159,8 +152,8 @@ def test_the_staging_cache_moves_the_quantized_bytes(prompts, head_dim):
         times = kv_moved(mode, head_dim, prompts)
         assert times.kv_bytes_to_device == times.kv_bytes_to_host == expect(row)
         assert plain.kv_bytes_to_device * row == times.kv_bytes_to_device * float_row      # 3.2x .. 7.11x fewer
-        # the device holds one staging cache of a GPU batch (2 sequences), at the quantized bytes
-        assert times.kv_peak_device_bytes == 2 * 4 * 2 * 4 * MAX_LEN * row
+        # the device holds two staging buffers of one layer of a GPU batch (2 sequences), at the quantized bytes
+        assert times.kv_peak_device_bytes == 2 * 2 * 2 * 4 * MAX_LEN * row
     ratios = {mode: float_row / ROW_BYTES[head_dim, mode] for mode in MODES}
     if head_dim == 64:
         assert ratios == pytest.approx({"int8": 3.765, "int4": 7.111}, abs=1e-3)
@@ -201,7 +194,7 @@ def test_the_budget_counts_the_cache_at_the_formats_bytes_and_admits_a_larger_ba
 
 @pytest.mark.parametrize("mode", ("none", *MODES))
 def test_the_budget_counts_what_the_run_holds(prompts, tmp_path, mode):
-    """cache_gpu = 0: the plan's device KV part is one staging cache; the run's peak device KV is that cache."""
+    """cache_gpu = 0: the plan's device KV part is two one-layer staging buffers; the run's peak device KV is them."""
     keys = ZIGZAG["cache-host-staging"]
     arch = PRESETS["tiny-dense"]
     plan = plan_bytes(arch, config_for(tmp_path, mode, **keys), partition_layers(arch, 1)[0], list(PROMPT_LENGTHS))
@@ -288,7 +281,7 @@ def test_cli_plan_takes_the_kv_cache_format(capsys):
 
 def test_hpcinfer_run_zigzag_with_an_int4_cache(run_cli, repo_root, tmp_path):
     """End to end: `[model] kv_cache = "int4"` with the zig-zag schedule and the cache in host memory is accepted,
-    writes the row schedule's output, and the metrics report the quantized bytes the staging cache moved."""
+    writes the row schedule's output, and the metrics report the quantized bytes the staging buffers moved."""
     import json
 
     rng = np.random.default_rng(5)
@@ -308,4 +301,4 @@ def test_hpcinfer_run_zigzag_with_an_int4_cache(run_cli, repo_root, tmp_path):
     assert outputs["zigzag"][0] == outputs["row"][0] and outputs["row"][0].count('"output_tokens"') == N
     kv = outputs["zigzag"][1]["kv_cache"]
     assert kv["fetched_bytes_to_device"] == kv["offloaded_bytes_to_host"] == MAX_NEW * 4 * 2 * N * 4 * MAX_LEN * 12
-    assert kv["peak_device_bytes_per_rank"] == 2 * 4 * 2 * 4 * MAX_LEN * 12          # one staging cache
+    assert kv["peak_device_bytes_per_rank"] == 2 * 2 * 2 * 4 * MAX_LEN * 12          # two one-layer staging buffers

@@ -30,6 +30,8 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu. A QuantizedKV cache
     and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py."""
     cp = ops.xp
+    if _on_host(cache_k):                                    # CPU delegation: the cache stays where it lies
+        return host_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)
     if topk or not isinstance(cache_k, cp.ndarray):          # a QuantizedKV cache, or top-k: cupy_kv.py
         from . import cupy_kv
 
@@ -87,6 +89,22 @@ def _prefill_kernels(ops, append, attend, q, k, v, cache_k, cache_v, step: StepL
            (q, cache_k, cache_v, slots, starts, offsets, out, _i32(heads), _i32(kv_heads), _i32(hd), _i32(lmax),
             _i64(ldq), _i64(heads * hd), _f32c(scale)))
     return out
+
+
+def _on_host(cache) -> bool:
+    """A host-resident cache: a NumPy array, or a QuantizedKV of NumPy arrays."""
+    return isinstance(cache.q if hasattr(cache, "q") else cache, np.ndarray)
+
+
+def host_attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float):
+    """FlexGen's CPU delegation (`[offload] cpu_attention`): attention over a KV cache in host memory runs on the
+    host (NumpyOps, the cache appended and read in place); only the step's q, k, v [T, heads, hd] go down and the
+    context [T, H*hd] comes back up, never the cache."""
+    from .numpy_ops import NumpyOps
+
+    host_q, host_k, host_v = (ops.to_host(a).astype(F32, copy=False) for a in (q, k, v))
+    out = NumpyOps().attention(host_q, host_k, host_v, cache_k, cache_v, step, scale, topk)
+    return ops.asarray(out)
 
 
 def check_cache(cache_k, cache_v):

@@ -109,6 +109,13 @@ class CupyOps:
         if self.device_id is not None:
             self.xp.cuda.Device(self.device_id).use()
 
+    def copy_engine(self):
+        """Pinned host buffers and a copy stream with events (backend/cupy_transfer.py); build it on the compute
+        thread."""
+        from .cupy_transfer import StreamCopies
+
+        return StreamCopies(self)
+
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
         """Host or device array -> contiguous device array (bfloat16 as uint16 bits)."""

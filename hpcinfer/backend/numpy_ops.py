@@ -37,6 +37,12 @@ class NumpyOps:
     def use_device(self) -> None:
         """Nothing to bind on the CPU (CupyOps makes its GPU current on the calling thread)."""
 
+    def copy_engine(self):
+        """Copies made at once on the calling thread (backend/transfer.py)."""
+        from .transfer import HostCopies
+
+        return HostCopies()
+
     # ---- dense math --------------------------------------------------------------------------------------------
     def linear(self, x, w, bias=None):
         """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out]. For a few tokens, `(w @ x.T).T` lets OpenBLAS

@@ -25,7 +25,8 @@ def kv_format_of(config, arch):
 
 def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_share: int = 1) -> dict:
     """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache (GPU batches
-    with a host-resident cache pass through one device staging cache, unless CPU attention reads them in place),
+    with a host-resident cache pass through two device staging buffers of one layer of the largest such batch,
+    loading one while the other computes, unless CPU attention reads them in place),
     at the bytes of `[model] kv_cache` (offload/sizes.kv_token_bytes: an int4 cache is ~7x smaller than float32).
     quant_of: which tensors are held quantized (quant.storage.quant_of). fetch_share: the replicas of a
     partitioned fetch group; each keeps 1/fetch_share of every host and disk layer."""
@@ -40,13 +41,14 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
     kept = lambda tier: sum(-(-b // fetch_share) for b, t in zip(per_layer, tiers) if t == tier)
     batch = config.generate.batch_size
     max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
-    per_seq = max_len * len(layers) * kv_token_bytes(arch, tp, kv_format_of(config, arch))
+    per_seq_layer = max_len * kv_token_bytes(arch, tp, kv_format_of(config, arch))
+    per_seq = per_seq_layer * len(layers)
     gpu_batches = micro_batches(batch, off.num_gpu_batches)
     on_device = round(len(gpu_batches) * off.cache_gpu / 100)
     kv_device = sum(len(g) for g in gpu_batches[:on_device]) * per_seq
     kv_host = sum(len(g) for g in gpu_batches[on_device:]) * per_seq
     staging = 0 if off.cpu_attention or on_device == len(gpu_batches) else \
-        max(len(g) for g in gpu_batches[on_device:]) * per_seq
+        2 * max(len(g) for g in gpu_batches[on_device:]) * per_seq_layer
     return {
         "device": sum(b for b, t in zip(per_layer, tiers) if t == "device") + window + tables + kv_device + staging,
         "host": kept("host") + kv_host,

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..quant.formats import QuantizedTensor
+from ..backend.transfer import Ready
 from .partition import LayerImage
 
 TIERS = ("device", "host", "disk")
@@ -85,6 +86,15 @@ def assemble(kind: tuple, arrays: list):
     return list(arrays) if kind[0] == "list" else arrays[0]
 
 
+def assemble_slots(kinds: list, arrays: list) -> list:
+    """The values of slots of these kinds from all their arrays in order (parts_of of each, concatenated)."""
+    out, at = [], 0
+    for kind in kinds:
+        out.append(assemble(kind, arrays[at:at + part_count(kind)]))
+        at += part_count(kind)
+    return out
+
+
 def part_count(kind: tuple) -> int:
     """How many arrays a slot of this kind is made of."""
     if kind[0] == "quant":
@@ -119,10 +129,11 @@ class WeightTiers:
         if self.group is not None and not threads_ok:
             prefetch_layers = 0
         self.ops, self.blocks, self.tiers, self.prefetch_layers = ops, blocks, tiers, prefetch_layers
+        self.copies = ops.copy_engine()                   # pinned buffers, a copy stream and events on a GPU
         self.tensors: list = [[] for _ in blocks]         # layer -> [(holder, key)]
         self.kinds: list = [[] for _ in blocks]           # layer -> [kind_of each slot]
         self.layer_bytes = [0] * len(blocks)
-        self.host: dict = {}                              # (layer, n) -> [host arrays]  (slot n's parts)
+        self.host: dict = {}                              # (layer, n) -> [pinned host arrays] (slot n's parts)
         self.disk: dict = {}                              # (layer, n) -> [file paths]
         self.images: dict = {}                            # layer -> LayerImage (partitioned fetch)
         self.disk_dir = disk_dir
@@ -163,7 +174,7 @@ class WeightTiers:
         for n, (holder, key) in enumerate(self.tensors[i]):
             parts = parts_of(getattr(holder, key))
             if tier == "host":
-                self.host[i, n] = [np.array(self.ops.to_host(a)) for a in parts]
+                self.host[i, n] = [self.copies.host_copy(self.ops.to_host(a)) for a in parts]
             else:
                 self.disk[i, n] = [self._write(self._path(i, f"t{n:03d}", j), a) for j, a in enumerate(parts)]
         self._drop(i)
@@ -184,7 +195,8 @@ class WeightTiers:
 
     # ---- streaming -----------------------------------------------------------------------------------------
     def fetch(self, i: int) -> None:
-        """Make layer i's weights usable now (waiting for its prefetch if one is in flight), and start fetching
+        """Make layer i's weights usable now (by the work issued from now on: on a GPU the compute stream waits for
+        the copies, the host does not), waiting for its prefetch if one is in flight, and start fetching
         the next `prefetch_layers` streamed layers, wrapping from the last layer of a token step to the first of
         the next (every schedule fetches the layers in this cyclic order; after the last step of a run, the
         wrapped prefetches are dropped by `close`)."""
@@ -192,7 +204,7 @@ class WeightTiers:
             future = self.pending.pop(i, None)
             if future is None and self.group is not None and self.pool is not None:
                 future = self._start(i)                   # rounds go through the one thread, in order
-            self._install(i, future.result() if future is not None else self._read(i))
+            self._install(i, (future.result() if future is not None else self._read(i)).arrays())
         if self.pool is None:
             return
         for j in self._ahead(i):
@@ -211,27 +223,27 @@ class WeightTiers:
         """Drop layer i's streamed weights from the device (resident layers stay)."""
         if self.tiers[i] == "device" or i not in self.resident:
             return
-        self._drop(i)
+        with self.copies.freeing():                      # its memory is reused after the work issued so far
+            self._drop(i)
         self.resident.discard(i)
         with self.lock:
             self.device_bytes -= self.layer_bytes[i]
 
-    def _read(self, i: int) -> list:
-        """Layer i's slot values, read from its tier into new device arrays (runs on a prefetch thread too)."""
+    def _read(self, i: int):
+        """Start layer i's copies from its tier into new device arrays (runs on a prefetch thread too): host
+        arrays are pinned and copied as they are, disk arrays are read from their memory map into pinned staging."""
         with self.lock:                                    # the bytes are on the device from now on
             self.device_bytes += self.layer_bytes[i]
             self.peak_bytes = max(self.peak_bytes, self.device_bytes)
         if self.group is not None:
-            return self._round(i, working=True)[1]
-        out = []
-        for n, kind in enumerate(self.kinds[i]):
-            if self.tiers[i] == "host":
-                arrays = [self.ops.asarray(np.array(a)) for a in self.host[i, n]]
-            else:
-                arrays = [self.ops.asarray(np.array(np.load(p, mmap_mode="r"))) for p in self.disk[i, n]]
-            out.append(assemble(kind, arrays))
-            self._count(i, sum(int(a.nbytes) for a in arrays))
-        return out
+            return Ready(self._round(i, working=True)[1])
+        slots = range(len(self.kinds[i]))
+        if self.tiers[i] == "host":
+            sources = [a for n in slots for a in self.host[i, n]]
+        else:
+            sources = [np.load(p, mmap_mode="r") for n in slots for p in self.disk[i, n]]
+        self._count(i, sum(int(a.nbytes) for a in sources))
+        return _Fetched(self.kinds[i], self.copies.upload(sources, pinned=self.tiers[i] == "host"))
 
     def _count(self, i: int, nbytes: int) -> None:
         with self.lock:
@@ -253,11 +265,7 @@ class WeightTiers:
         anyone, arrays = image.gather(mine, working)       # comm: the all-gather assembles the layer
         if not self.gather_on_device:
             arrays = [self.ops.asarray(a) for a in arrays]     # host -> device: the whole layer
-        out, at = [], 0
-        for kind in self.kinds[i]:
-            out.append(assemble(kind, arrays[at:at + part_count(kind)]))
-            at += part_count(kind)
-        return anyone, out
+        return anyone, assemble_slots(self.kinds[i], arrays)
 
     def _install(self, i: int, arrays: list) -> None:
         for (holder, key), value in zip(self.tensors[i], arrays):
@@ -283,3 +291,14 @@ class WeightTiers:
                 break
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        self.copies.close()
+
+
+class _Fetched:
+    """A layer's upload in flight: arrays() gives its slot values, usable by the compute issued next."""
+
+    def __init__(self, kinds: list, upload):
+        self.kinds, self.upload = kinds, upload
+
+    def arrays(self) -> list:
+        return assemble_slots(self.kinds, self.upload.arrays())

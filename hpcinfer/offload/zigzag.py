@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from ..backend.numpy_ops import NumpyOps
 from ..backend.ops import StepLayout
 from ..comm.mappings import broadcast_from_tp_root
 from ..generate.engine import Sequence, record_token
@@ -30,42 +31,110 @@ from ..quant.kv import QuantizedKV
 
 
 class HostKV:
-    """KV caches of GPU batches that live in host memory, and the one device staging cache they pass through
-    (loaded before a batch's layer runs, stored after), unless CPU attention reads them where they are. A quantized
-    cache (model.kv_format) moves as its quantized parts; the byte counts are of what moves."""
+    """KV caches of GPU batches that live in (pinned) host memory, and two device staging buffers of one layer they
+    pass through, unless CPU attention reads them where they are. A step visits (layer, batch) pairs in the zig-zag
+    order; pair k is loaded into staging buffer k % 2 while pair k - 1 computes in the other, and stored back after
+    it ran (on a GPU: on the copy stream, ordered by events, backend/cupy_transfer.py), so the loads of the next
+    batch's cache and the stores of the previous one overlap the current compute. A quantized cache
+    (model.kv_format) moves as its quantized parts; the byte counts are of what moves."""
 
     def __init__(self, model, sizes: dict, max_len: int, cpu_attention: bool):
-        from ..backend.numpy_ops import NumpyOps
-
         arch = model.arch
-        make = lambda ops, n: KVCache(ops, model.num_local_layers, n, model.kv_heads_local, max_len, arch.head_dim,
-                                      kv_format=model.kv_format)
-        self.host = {b: make(NumpyOps(), n) for b, n in sizes.items()}          # b -> host-resident cache
-        self.staging = None if cpu_attention or not sizes else make(model.ops, max(sizes.values()))
+        make = lambda ops, layers, n: KVCache(ops, layers, n, model.kv_heads_local, max_len, arch.head_dim,
+                                              kv_format=model.kv_format)
+        self.copies = model.ops.copy_engine()
+        host_ops = PinnedHostOps(self.copies)
+        self.host = {b: make(host_ops, model.num_local_layers, n) for b, n in sizes.items()}  # b -> host cache
+        self.staging = [] if cpu_attention or not sizes else \
+            [make(model.ops, 1, max(sizes.values())) for _ in range(2)]         # one layer of the largest batch
+        self.order: list = []                           # this step's (layer, b) pairs, in the order they run
+        self.loads: dict = {}                           # pair index -> the uploads into its staging buffer
+        self.stores: dict = {}                          # (layer, b) -> the downloads of its last store
+        self.cursor = -1                                # index in `order` of the pair computing now
         self.bytes_to_device = self.bytes_to_host = 0
 
+    @property
+    def staging_bytes(self) -> int:
+        return sum(c.nbytes for c in self.staging)
+
+    def begin_step(self, batches: list, num_layers: int) -> None:
+        """The host-resident batches that run this step (in the loop's order): load the first pair."""
+        self.order = [(layer, b) for layer in range(num_layers) for b in batches]
+        self.cursor = -1
+        if self.staging and self.order:
+            self._start_load(0)
+
     def cache_for(self, b: int, layer: int):
-        """The cache the layer computes with: the host one (CPU attention) or the staging one, loaded."""
-        host = self.host[b]
-        if self.staging is None:
-            return host
-        for rows, staged in ((host.k[layer], self.staging.k[layer]), (host.v[layer], self.staging.v[layer])):
-            staged[:rows.shape[0]] = _moved(rows, self.staging.ops.asarray)
-            self.bytes_to_device += int(rows.nbytes)
-        return self.staging
+        """The cache the layer computes with: the host one (CPU attention) or its staging buffer, loaded (the
+        next pair's load starts now, into the other buffer)."""
+        if not self.staging:
+            return self.host[b]
+        self.cursor += 1
+        assert self.order[self.cursor] == (layer, b), f"zig-zag KV out of order: {(layer, b)}"
+        for upload in self.loads.pop(self.cursor):
+            upload.arrays()                             # the compute waits for the load, the host does not
+        if self.cursor + 1 < len(self.order):
+            self._start_load(self.cursor + 1)
+        return _LayerView(self.staging[self.cursor % 2], layer)
 
     def store(self, b: int, layer: int) -> None:
-        if self.staging is None:
+        """Copy the layer's rows of batch b back to its host cache, after the compute issued so far."""
+        if not self.staging:
             return
-        host = self.host[b]
-        for rows, staged in ((host.k[layer], self.staging.k[layer]), (host.v[layer], self.staging.v[layer])):
-            rows[...] = _moved(staged[:rows.shape[0]], self.staging.ops.to_host)
-            self.bytes_to_host += int(rows.nbytes)
+        host, staged = self._rows(layer, b, self.cursor % 2)
+        self.stores[layer, b] = [self.copies.download(d, h) for d, h in zip(staged, host)]
+        self.bytes_to_host += sum(int(h.nbytes) for h in host)
+
+    def finish(self) -> None:
+        """Wait for the stores in flight and the copy stream (the block is done)."""
+        for downloads in self.stores.values():
+            for download in downloads:
+                download.wait()
+        self.stores.clear()
+        self.copies.close()
+
+    def _start_load(self, k: int) -> None:
+        layer, b = self.order[k]
+        for download in self.stores.pop((layer, b), []):  # the host rows are whole again (a step ago: done)
+            download.wait()
+        host, staged = self._rows(layer, b, k % 2)
+        self.loads[k] = [self.copies.upload_into(d, h) for d, h in zip(staged, host)]
+        self.bytes_to_device += sum(int(h.nbytes) for h in host)
+
+    def _rows(self, layer: int, b: int, slot: int) -> tuple[list, list]:
+        """(host arrays, staging arrays) of batch b's K and V rows of `layer`, part by part."""
+        host, staging = self.host[b], self.staging[slot]
+        n = host.n_seqs
+        host_parts = [p for rows in (host.k[layer], host.v[layer]) for p in _parts(rows)]
+        staged_parts = [p for rows in (staging.k[0][:n], staging.v[0][:n]) for p in _parts(rows)]
+        return host_parts, staged_parts
 
 
-def _moved(rows, move):
-    """A float array, or a QuantizedKV part by part, through `move` (ops.asarray / ops.to_host)."""
-    return rows.map(move) if isinstance(rows, QuantizedKV) else move(rows)
+class _LayerView:
+    """A staging buffer standing for a batch's whole cache in model.run_layer(layer, ...): it holds that layer."""
+
+    def __init__(self, staging: KVCache, layer: int):
+        self.k, self.v = {layer: staging.k[0]}, {layer: staging.v[0]}
+
+    def layer_step(self, layer: int, step):
+        return step
+
+
+class PinnedHostOps(NumpyOps):
+    """NumPy ops whose arrays are the copy engine's host buffers (pinned on a GPU): the host KV caches."""
+
+    def __init__(self, copies):
+        self.copies = copies
+
+    def zeros(self, shape, dtype=np.float32):
+        out = self.copies.host_buffer(shape, dtype)
+        out[...] = 0
+        return out
+
+
+def _parts(rows) -> tuple:
+    """A float array, or a QuantizedKV's arrays."""
+    return rows.parts() if isinstance(rows, QuantizedKV) else (rows,)
 
 
 def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
@@ -89,6 +158,7 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
         t0 = time.perf_counter()
         x = {b: model.embed_tokens(tokens, step) for b, (_, step, tokens) in work.items()}
         rope = {b: model.rope_for(step) for b, (_, step, _) in work.items()}
+        host_kv.begin_step([b for b in work if b not in caches], model.num_local_layers)
         for layer in range(model.num_local_layers):
             model.weights.fetch(layer)                                            # once for the whole block
             for b, (_, step, _) in work.items():
@@ -110,7 +180,8 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     times.busy_s += time.perf_counter() - t_start
     times.prompt_tokens += sum(len(s.prompt) for s in seqs)
     times.generated_tokens += sum(len(s.generated) for s in seqs)
-    device_kv = sum(c.nbytes for c in caches.values()) + (host_kv.staging.nbytes if host_kv.staging else 0)
+    host_kv.finish()
+    device_kv = sum(c.nbytes for c in caches.values()) + host_kv.staging_bytes
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, device_kv)
     times.kv_bytes_to_device += host_kv.bytes_to_device
     times.kv_bytes_to_host += host_kv.bytes_to_host

@@ -1,0 +1,134 @@
+"""The CuPy backend's copy engine (the interface is backend/transfer.py): pinned host buffers, one non-blocking
+copy stream per engine, CUDA events between it and the compute stream.
+
+    upload    (any thread)  [copy stream] wait(reuse_after) -> allocate -> memcpyAsync H2D -> record(done)
+              (compute)     Upload.arrays(): [compute stream] wait(done)      the host does not block
+    freeing   (compute)     [compute stream] record(reuse_after), then the uploaded arrays are dropped
+    upload_into (compute)   [compute stream] record(ready) ; [copy stream] wait(ready) -> memcpyAsync H2D -> record(done)
+    download  (compute)     [compute stream] record(ready) ; [copy stream] wait(ready) -> memcpyAsync D2H -> record(done)
+                            Download.wait(): the host blocks on done
+
+Why the events are where they are:
+- The compute stream waits on `done` before the kernels that read an upload: the copy overlaps the compute issued
+  before (the previous layer), never the compute that needs it.
+- CuPy's memory pool keeps a free list per stream, and the uploads allocate on the copy stream: memory freed when
+  a layer's weights are dropped goes back to the copy stream's list, and the next upload may get it while the
+  compute stream's kernels still read the old layer. So every upload first waits on `reuse_after`, recorded on the
+  compute stream when the last arrays were dropped (after the work that read them was issued); the lock makes
+  "wait, then allocate" and "record, then drop" atomic with respect to each other.
+- A pinned source must not change before its copy has run: the host tier's buffers never change, and the staging
+  buffers of non-pinned sources (disk tier: a memory map read into a fresh pinned buffer) are kept until their
+  `done` event completes.
+- The copy stream is non-blocking: the legacy default stream (where the compute runs unless a stream is made
+  current) does not serialize with it, which a blocking stream would, and overlap would be lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+from .cupy_ops import BF16_BITS, _is_bf16
+
+
+def _bits(host: np.ndarray) -> np.ndarray:
+    """bfloat16 host arrays travel as their uint16 bits (the device storage of bfloat16)."""
+    return host.view(BF16_BITS) if _is_bf16(host.dtype) else host
+
+
+class Upload:
+    """Host -> device copies in flight: arrays() makes the compute stream wait for them, and gives them."""
+
+    def __init__(self, arrays: list, done, compute):
+        self._arrays, self.done, self.compute = arrays, done, compute
+
+    def arrays(self) -> list:
+        self.compute.wait_event(self.done)
+        return self._arrays
+
+
+class Download:
+    """A device -> host copy in flight: wait() blocks the host until `out` holds the device array's values."""
+
+    def __init__(self, out: np.ndarray, done, source):
+        self.out, self.done, self._source = out, done, source    # the source stays alive until the copy ran
+
+    def wait(self) -> np.ndarray:
+        self.done.synchronize()
+        self._source = None
+        return self.out
+
+
+class StreamCopies:
+    """Pinned buffers and a copy stream for one rank's GPU. Build it on the compute thread: the stream current
+    there is the compute stream the uploads are ordered against."""
+
+    def __init__(self, ops):
+        self.cp = cp = ops.xp
+        import cupyx
+
+        self._empty_pinned = cupyx.empty_pinned
+        self.compute = cp.cuda.get_current_stream()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.lock = threading.Lock()
+        self.reuse_after = None           # event on the compute stream: work issued before the last drop
+        self.staged: list = []            # [(done event, pinned staging buffers)] of copies maybe still running
+
+    def host_buffer(self, shape, dtype) -> np.ndarray:
+        """A pinned host array (bfloat16: pinned uint16 viewed as bfloat16)."""
+        dtype = np.dtype(dtype)
+        bits = self._empty_pinned(shape, dtype=BF16_BITS if _is_bf16(dtype) else dtype)
+        return bits.view(dtype)
+
+    def host_copy(self, array) -> np.ndarray:
+        array = np.asarray(array)
+        out = self.host_buffer(array.shape, array.dtype)
+        out[...] = array
+        return out
+
+    def upload(self, host_arrays: list, pinned: bool = True) -> Upload:
+        """Start copying `host_arrays` into new device arrays. pinned=False: the sources are not pinned (e.g.
+        memory maps of the disk tier): each is read into a pinned staging buffer first, kept until the copy ran."""
+        sources = list(host_arrays) if pinned else [self.host_copy(a) for a in host_arrays]
+        with self.lock:
+            if self.reuse_after is not None:
+                self.stream.wait_event(self.reuse_after)
+            with self.stream:
+                arrays = [self.cp.empty(a.shape, dtype=_bits(a).dtype) for a in sources]
+                for device, host in zip(arrays, sources):
+                    device.set(_bits(np.ascontiguousarray(host)), stream=self.stream)
+                done = self.stream.record()
+        self._keep(done, sources if not pinned else [])
+        return Upload(arrays, done, self.compute)
+
+    def upload_into(self, device_array, host_array: np.ndarray) -> Upload:
+        """Start copying the pinned `host_array` into the existing contiguous `device_array`, after the compute
+        issued so far (which may still read what it holds)."""
+        self.stream.wait_event(self.compute.record())
+        device_array.set(_bits(host_array), stream=self.stream)
+        return Upload([device_array], self.stream.record(), self.compute)
+
+    def download(self, device_array, out: np.ndarray) -> Download:
+        """Start copying `device_array` into the pinned host array `out`, after the compute issued so far."""
+        self.stream.wait_event(self.compute.record())
+        device_array.get(stream=self.stream, out=_bits(out), blocking=False)
+        return Download(out, self.stream.record(), device_array)
+
+    @contextlib.contextmanager
+    def freeing(self):
+        """Drop uploaded arrays inside this: later uploads reuse their memory only after the work issued so far."""
+        with self.lock:
+            self.reuse_after = self.compute.record()
+            yield
+
+    def _keep(self, done, buffers: list) -> None:
+        with self.lock:
+            self.staged = [(e, b) for e, b in self.staged if not e.done]
+            if buffers:
+                self.staged.append((done, buffers))
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.staged.clear()
