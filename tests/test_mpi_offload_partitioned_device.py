@@ -139,16 +139,17 @@ def test_device_gather_gives_numpys_tokens_and_moves_only_this_ranks_part(name, 
         tiers, group = model.weights, model.weights.group
         assert isinstance(group, StagedMPIGroup) and group.size == n and tiers.gather_on_device
         gathered, uploads = [], []                                     # what the rounds all-gather and upload
-        all_gather, asarray = group.all_gather, ops.asarray
+        all_gather, upload_into = group.all_gather, tiers.copies.upload_into
         group.all_gather = lambda x: gathered.append(x) or all_gather(x)
-        ops.asarray = lambda a, dtype=None: (uploads.append(a) if isinstance(a, np.ndarray) and a.dtype == np.uint8
-                                             else None) or asarray(a, dtype)
+        tiers.copies.upload_into = lambda d, h, pinned=True: uploads.append(h) or upload_into(d, h, pinned)
         got = tokens(model, prompts, params, off("cupy"))
 
         parts = {tiers.images[i].part + 1 for i in tiers.streamed}
         assert gathered and all(isinstance(x, cp.ndarray) and x.dtype == np.uint8 for x in gathered)
         assert {x.size for x in gathered} <= parts                    # one part and its flag, on the device
-        assert len(uploads) == len(gathered) and {u.size for u in uploads} <= parts
+        # each round uploads this rank's part only, through the copy engine (pinned memory, the copy stream)
+        assert len(uploads) == len(gathered) and {u.size + 1 for u in uploads} <= parts
+        assert emu._state.pageable_async_copies == 0 and emu._state.async_copies >= len(uploads)
         assert all(getattr(h, k) is None for i in tiers.streamed for h, k in tiers.tensors[i])    # released
     assert got == on_host == plain
     assert tiers.bytes_from_host + tiers.bytes_from_disk == sum(x.size - 1 for x in gathered)

@@ -87,3 +87,25 @@ def test_prefetch_threads_bind_the_ranks_gpu(prompts, tmp_path, monkeypatch):
         tokens, tiers = run(ops, prompts[:2], offload(tmp_path, **PLACEMENTS["host"]), None)
     assert tiers.streamed and tokens
     assert bound and all(name != threading.main_thread().name for name in bound)
+
+
+@pytest.mark.parametrize("mode", ("int8", "int4"))
+@pytest.mark.parametrize("placement", ("cache-host-staging", "cache-host-cpu-attention"))
+def test_a_quantized_kv_cache_in_host_memory_on_emulated_cupy_gives_numpys_tokens(placement, mode):
+    """Zig-zag with an int8 / int4 cache in pinned host memory: its quantized parts go through the staging buffers on
+    the copy stream (or stay on the host for CPU attention) and the tokens are the NumPy run's."""
+    import test_offload_kv_quant as kvq
+    from hpcinfer.config import OffloadSection
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in kvq.PROMPT_LENGTHS[:4]]
+    off = OffloadSection(**dict(kvq.ZIGZAG[placement], num_gpu_batches=2))
+    want, cpu_times = kvq.generate(kvq.build(kvq.source(), off, mode), prompts, off)
+    with emu.installed():
+        from hpcinfer.backend.cupy_ops import CupyOps
+
+        got, gpu_times = kvq.generate(kvq.build(kvq.source(), off, mode, ops=CupyOps(device=0)), prompts, off)
+        assert emu._state.pageable_async_copies == 0
+    assert got == want
+    assert gpu_times.kv_bytes_to_device == cpu_times.kv_bytes_to_device
+    assert (gpu_times.kv_bytes_to_device > 0) == (placement == "cache-host-staging")

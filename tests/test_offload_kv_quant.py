@@ -59,9 +59,9 @@ def source(head_dim: int = 16) -> PresetSource:
     return PresetSource(f"tiny-dense-hd{head_dim}", arch)
 
 
-def build(src: PresetSource, off: OffloadSection, mode: str, groups: Groups | None = None) -> Decoder:
+def build(src: PresetSource, off: OffloadSection, mode: str, groups: Groups | None = None, ops=None) -> Decoder:
     """The model as runtime._run builds it: weights in their tiers, the KV format of `[model] kv_cache`."""
-    ops = NumpyOps()
+    ops = ops or NumpyOps()
     model = Decoder(ops, groups or Groups(), src.arch, "float32")
     model.weights = _weight_tiers(types.SimpleNamespace(offload=off), model, ops, 0)
     model.load(src, after_block=model.weights.place if model.weights is not None else None)

@@ -103,12 +103,15 @@ class StreamCopies:
         self._keep(done, sources if not pinned else [])
         return Upload(arrays, done, self.compute)
 
-    def upload_into(self, device_array, host_array: np.ndarray) -> Upload:
-        """Start copying the pinned `host_array` into the existing contiguous `device_array`, after the compute
-        issued so far (which may still read what it holds)."""
+    def upload_into(self, device_array, host_array: np.ndarray, pinned: bool = True) -> Upload:
+        """Start copying `host_array` into the existing contiguous `device_array`, after the compute issued so far
+        (which may still read what it holds). pinned=False: read into a pinned staging buffer first, as upload."""
+        source = host_array if pinned else self.host_copy(host_array)
         self.stream.wait_event(self.compute.record())
-        device_array.set(_bits(host_array), stream=self.stream)
-        return Upload([device_array], self.stream.record(), self.compute)
+        device_array.set(_bits(source), stream=self.stream)
+        done = self.stream.record()
+        self._keep(done, [] if pinned else [source])
+        return Upload([device_array], done, self.compute)
 
     def download(self, device_array, out: np.ndarray) -> Download:
         """Start copying `device_array` into the pinned host array `out`, after the compute issued so far."""

@@ -6,7 +6,7 @@ and how a backend moves it. `ops.copy_engine()` gives one per user; its methods:
     upload(host_arrays, pinned) -> Upload        host -> new device arrays, started now (on a prefetch thread too);
                                                  Upload.arrays() on the compute thread gives them, ready for the
                                                  work issued after it
-    upload_into(device_array, host_array) -> Upload   host -> an existing device array (a staging buffer), after
+    upload_into(device_array, host_array, pinned) -> Upload   host -> an existing device array, after
                                                  the work issued so far (which may still read it)
     download(device_array, out) -> Download      device -> a host buffer, after the work issued so far;
                                                  Download.wait() blocks the host until `out` holds it
@@ -49,7 +49,7 @@ class HostCopies:
     def upload(self, host_arrays: list, pinned: bool = True) -> Ready:
         return Ready([np.array(a) for a in host_arrays])           # a new "device" array each, as a real upload
 
-    def upload_into(self, device_array, host_array) -> Ready:
+    def upload_into(self, device_array, host_array, pinned: bool = True) -> Ready:
         device_array[...] = host_array
         return Ready([device_array])
 

@@ -36,8 +36,9 @@ class LayerImage:
     path: str | None             # the file of this rank's part (disk tier)
 
     @classmethod
-    def build(cls, arrays: list, group, tier: str, path: str) -> "LayerImage":
-        """Lay out `arrays` (host arrays, in order) and keep this rank's part in `tier`."""
+    def build(cls, arrays: list, group, tier: str, path: str, host_copy=np.copy) -> "LayerImage":
+        """Lay out `arrays` (host arrays, in order) and keep this rank's part in `tier` (host: in the buffer
+        `host_copy` makes, pinned on a GPU)."""
         specs, offset = [], 0
         for a in arrays:
             specs.append((a.dtype, a.shape, offset))
@@ -48,7 +49,7 @@ class LayerImage:
             image[at:at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         mine = image[group.rank * part:(group.rank + 1) * part]                     # [P]
         if tier == "host":
-            return cls(specs, part, group, mine.copy(), None)
+            return cls(specs, part, group, host_copy(mine), None)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         np.save(path, mine)
         return cls(specs, part, group, None, path)
@@ -58,10 +59,21 @@ class LayerImage:
         """Bytes this rank holds in its tier."""
         return self.part
 
+    def stored(self) -> np.ndarray:
+        """This rank's part [P] where it lies: the host buffer, or a memory map of its file."""
+        return self.host if self.host is not None else np.load(self.path, mmap_mode="r")
+
     def read_mine(self) -> np.ndarray:
-        """This rank's part, read from its tier into a send buffer [P + 1] (the last byte for the flag)."""
+        """This rank's part, read from its tier into a host send buffer [P + 1] (the last byte for the flag)."""
         buffer = np.empty(self.part + 1, np.uint8)
-        buffer[:-1] = self.host if self.host is not None else np.load(self.path, mmap_mode="r")
+        buffer[:-1] = self.stored()
+        return buffer
+
+    def upload_mine(self, ops, copies):
+        """This rank's part copied into a device send buffer [P + 1] through the copy engine (pinned host part;
+        a disk part through pinned staging), usable by the collective issued next."""
+        buffer = ops.zeros(self.part + 1, np.uint8)
+        copies.upload_into(buffer[:-1], self.stored(), pinned=self.host is not None).arrays()
         return buffer
 
     def gather(self, buffer, working: bool) -> tuple[bool, list]:

@@ -163,7 +163,7 @@ class WeightTiers:
         elif self.group is not None:
             arrays = [self.ops.to_host(a) for v in values for a in parts_of(v)]
             path = self._path(i, "part", self.group.rank) if self.tiers[i] == "disk" else None
-            self.images[i] = LayerImage.build(arrays, self.group, self.tiers[i], path)
+            self.images[i] = LayerImage.build(arrays, self.group, self.tiers[i], path, self.copies.host_copy)
             self._drop(i)
         else:
             self._offload(i, self.tiers[i])
@@ -258,13 +258,14 @@ class WeightTiers:
         assert i == expected, f"partitioned fetch out of order: layer {i}, the round is for layer {expected}"
         self.cursor = (self.cursor + 1) % len(self.streamed)
         image = self.images[i]
-        mine = image.read_mine()                           # this rank's 1/N of the layer, from host or disk
-        self._count(i, image.part)
-        if self.gather_on_device:
-            mine = self.ops.asarray(mine)                  # host -> device: only this rank's part
+        self._count(i, image.part)                         # this rank's 1/N of the layer, from host or disk
+        if self.gather_on_device:                          # host -> device: only this rank's part
+            mine = image.upload_mine(self.ops, self.copies)
+        else:
+            mine = image.read_mine()
         anyone, arrays = image.gather(mine, working)       # comm: the all-gather assembles the layer
-        if not self.gather_on_device:
-            arrays = [self.ops.asarray(a) for a in arrays]     # host -> device: the whole layer
+        if not self.gather_on_device:                      # host -> device: the whole layer
+            arrays = self.copies.upload(arrays, pinned=False).arrays()
         return anyone, assemble_slots(self.kinds[i], arrays)
 
     def _install(self, i: int, arrays: list) -> None:
