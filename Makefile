@@ -34,7 +34,7 @@ GGUF_NAME = SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
-.PHONY: minilm embed-demo bench-encoder
+.PHONY: minilm embed-demo bench-encoder gpu-carry
 .PHONY: planner-check bench-gpu
 .PHONY: venv model demo test test-quick kernels bench bench-cpu bench-pipeline bench-moe bench-offload bench-quant clean distclean
 .DELETE_ON_ERROR:
@@ -141,7 +141,7 @@ bench-moe: venv
 
 # SmolLM2 with its weights streamed from host memory, then from disk, under a 200 MB device budget (bench/README.md).
 bench-offload: venv $(H5)
-	$(PY) -m bench.offload
+	$(PY) -m bench.offload $(BENCH_OFFLOAD_ARGS)
 
 # MiniLM at batch 1 x 128 tokens (DeepSpeed Inference's BERT setting) and batch 64, hpcinfer vs transformers.
 bench-encoder: venv $(MINILM_H5)
@@ -156,6 +156,11 @@ bench-quant: venv $(H5)
 # transformers (docs/gpu.md). BENCH_GPU_ARGS: e.g. --quick, --only decode,moe, --commit <sha> (no .git there).
 bench-gpu:
 	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu --out bench/results $(BENCH_GPU_ARGS)
+
+# What a GPU session carries to the lent machine: wheels its image lacks, the GGUF in 3 parts, MiniLM in float16
+# (.carry/; bench/gpu_carry.py, docs/gpu.md). The checks and benchmarks there: bash bench/gpu_session.sh STEP...
+gpu-carry: venv $(GGUF) $(MINILM_DIR)/model.safetensors
+	$(PY) -m bench.gpu_carry
 
 # The layout planner's model against hpcinfer run on 2 ranks, and the papers' scale claims (docs/planner.md).
 planner-check: venv

@@ -349,16 +349,18 @@ def _gb(n) -> str:
 
 def markdown(result: dict) -> str:
     s, bw = result["settings"], result["bandwidth"]
+    gpu = offload_gpu.describe(result["device"], bw) if s.get("backend") == "cupy" else None
+    where = gpu["where"] if gpu else "NumPy backend, one process"
     lines = [f"# Offload benchmark, {result['date']}", "",
              f"SmolLM2-135M {'float32, int8 and int4 (`[model] quantize`, group 64)' if s.get('quant') else 'float32'}"
              f" ({s['model_bytes'] / MB:.0f} MB of float32 weights, {s['layers']} layers of "
              f"{s['layer_bytes'] / MB:.1f} MB), batch {s['batch']} x {s['prompt_len']} prompt tokens, "
              f"{s['new_tokens']} generated tokens each, greedy; device budget {s['device_memory'] / MB:.0f} MB "
-             f"(the model is {s['model_bytes'] / s['device_memory']:.1f}x the budget). NumPy backend, one process, "
+             f"(the model is {s['model_bytes'] / s['device_memory']:.1f}x the budget). {where}, "
              f"{result['machine']['cpus_usable']} CPUs ({result['machine']['cpu_model']}).", "",
              f"Measured tier bandwidths: host read {bw['host_read'] / 1e9:.2f} GB/s (memcpy "
              f"{bw['memcpy'] / 1e9:.2f}), disk read warm {bw['disk_read_warm'] / 1e9:.2f} GB/s, cold "
-             f"{bw['disk_read_cold'] / 1e9:.2f} GB/s.", "",
+             f"{bw['disk_read_cold'] / 1e9:.2f} GB/s." + (f" {gpu['links']}" if gpu else ""), "",
              "Each row is the fastest of its whole runs (every run's time and the CPUs other processes used "
              "meanwhile are in the JSON: `samples_s`, `samples_other_cpus`)." + _load_note(result["runs"]), "",
              "| run | what | tokens/s | run s (prefill + decode) | weights GB from host / disk | KV GB moved | "
@@ -377,11 +379,12 @@ def markdown(result: dict) -> str:
         lines.append(f"- {key}: {value:.2f}" if isinstance(value, float) else f"- {key}: {value}")
     lines += ["", f"Policy search: {result['policy_search']}", "",
               f"Checks: {result['checks']}", ""]
-    lines += ["Notes: on the NumPy backend the device and the host are the same memory, so a host->device "
-              "transfer is a memcpy and CPU attention saves only that copy; the disk reads come from the page "
-              "cache (the files were just written; the cold figure is the floor if they did not). FlexGen reports "
-              "7.32 vs 0.60 tokens/s (12x) for its policy against ZeRO-Inference with OPT-30B on a T4, where "
-              "PCIe, not compute, bounds the run.", ""]
+    lines += [(gpu["note"] if gpu else
+               "Notes: on the NumPy backend the device and the host are the same memory, so a host->device "
+               "transfer is a memcpy and CPU attention saves only that copy; the disk reads come from the page "
+               "cache (the files were just written; the cold figure is the floor if they did not).") +
+              " FlexGen reports 7.32 vs 0.60 tokens/s (12x) for its policy against ZeRO-Inference with OPT-30B on "
+              "a T4, where PCIe, not compute, bounds the run.", ""]
     if s.get("kv_quant"):
         lines += ["Quantized KV cache (`[model] kv_cache`, group 64): the zig-zag's host cache and its device "
                   "staging cache hold the packed values with a float16 scale and minimum per group, and the loads "
@@ -389,10 +392,12 @@ def markdown(result: dict) -> str:
                   "(3.76x int8, 7.11x int4 at head_dim 64); attention dequantizes the rows it reads.", ""]
     if s.get("quant"):
         lines += ["Quantized weights: the tiers move the QuantizedTensors (q, scale, min), so the bytes read from "
-                  "host memory or disk fall by the format's ratio; on the NumPy backend each int8 / int4 matmul "
-                  "dequantizes its weight first, so compute, not the transfer, bounds these runs, and the "
-                  "throughput gain of moving fewer bytes shows only where the link is the bottleneck "
-                  "(transfer floor / run).", ""]
+                  "host memory or disk fall by the format's ratio" + (
+                      "; the throughput gain of moving fewer bytes shows where the link is the bottleneck "
+                      "(transfer floor / run)." if gpu else
+                      "; on the NumPy backend each int8 / int4 matmul dequantizes its weight first, so compute, "
+                      "not the transfer, bounds these runs, and the throughput gain of moving fewer bytes shows "
+                      "only where the link is the bottleneck (transfer floor / run)."), ""]
     return "\n".join(lines)
 
 
@@ -464,6 +469,9 @@ def kv_ratios(runs: dict) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=str(REPO / "models" / "smollm2.h5"))
+    p.add_argument("--backend", choices=("numpy", "cupy", "auto"), default="numpy",
+                   help="numpy, or cupy: every run on GPU 0, copies from pinned memory on a copy stream (auto: "
+                        "cupy where it sees a GPU); the device budget stays --device-memory")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument("--batch", type=int, default=8, help="sequences of the batch (one block)")
     p.add_argument("--gpu-batches", type=int, default=4, help="GPU batches of the block (zig-zag and row)")
@@ -483,6 +491,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=200.0, help="seconds after which no new round starts")
     p.add_argument("--quiet-wait", type=float, default=3.0,
                    help="before each run, wait up to this many seconds for other processes to go idle")
+    p.add_argument("--probe-mb", type=float, default=256, help="MiB of each bandwidth probe's array")
     return p.parse_args(argv)
 
 
@@ -496,66 +505,111 @@ def main(argv=None) -> int:
         log(f"--batch {args.batch} must be a multiple of --gpu-batches {args.gpu_batches}")
         return 2
     from hpcinfer.checkpoint.format import open_checkpoint
-    from hpcinfer.config import parse_bytes
     from hpcinfer.generate.tokenizer import TextTokenizer
-    from hpcinfer.parallel.stages import layer_params
 
-    t_start = time.perf_counter()
     with open_checkpoint(args.checkpoint) as ckpt:
         arch = ckpt.arch
         prompts = make_prompts(TextTokenizer.from_checkpoint(ckpt), args.batch, args.prompt_len)
+    return bench(args, arch, prompts)
+
+
+def bench(args, arch, prompts: list) -> int:
+    """The benchmark on args.checkpoint (of `arch`) with these token prompts: measure, run, write the record.
+    Returns the exit status (1 when a setup failed or gave other tokens than its reference)."""
+    from hpcinfer.config import parse_bytes
+    from hpcinfer.errors import ConfigError
+
+    t_start = time.perf_counter()
+    try:
+        ops = new_ops(args.backend)
+    except ConfigError as exc:                       # --backend cupy without a GPU
+        log(str(exc))
+        return 2
+    args.backend = ops.name                          # auto: what it resolved to
     budget = parse_bytes(args.device_memory)
     work_root = Path(tempfile.mkdtemp(prefix="hpcinfer-bench-offload-", dir=args.work))
     try:
-        log("measuring tier bandwidths")
-        bw = measure_bandwidths(str(work_root), 256 * 2**20)
-        log(", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in bw.items() if k != "bytes"))
-        todo = quant_setups(args) if args.quant else kv_setups(args) if args.kv_quant else setups(args)
-        special = "--quant" if args.quant else "--kv-quant" if args.kv_quant else None
-        policy_search = f"skipped ({special})" if special else "skipped (--no-policy)"
-        if not args.no_policy and not special:
-            log("lp.search_policy on a measured profile")
-            setup, details = recommended(args, arch, args.prompt_len, budget, work_root)
-            policy_search = details
-            if setup is not None:
-                todo.append(setup)
-        if args.only:
-            groups = set(args.only.split(","))
-            todo = [s for s in todo if s.group in groups]
-        samples: dict = {s.name: [] for s in todo}
-        errors: dict = {}
-        for round_ in range(args.repeats):
-            if round_ and time.perf_counter() - t_start > args.budget:
-                log(f"time budget of {args.budget:.0f} s spent: {round_} round(s)")
-                break
-            for setup in todo:
-                if setup.name in errors:
-                    continue
-                work = work_root / (f"r{round_}-" + setup.name.replace(" ", "_").replace(":", "").replace(",", ""))
-                work.mkdir()
-                quiet = wait_quiet(args.quiet_wait)
-                log(f"round {round_ + 1}, {setup.name}: {setup.keys or 'no [offload]'}")
-                try:
-                    run = run_setup(setup, prompts, args, work)
-                except Exception as exc:  # noqa: BLE001 - a failed setup (e.g. a plan above the budget) is a result
-                    log(f"  failed: {type(exc).__name__}: {exc}")
-                    errors[setup.name] = f"{type(exc).__name__}: {exc}"
-                    continue
-                run["quiet"] = quiet
-                add_floor(run, bw)
-                samples[setup.name].append(run)
-                log(f"  {run['tokens_per_s']:.2f} tokens/s, run {run['run_s']:.1f} s, floor {run['floor_s']:.2f} "
-                    f"s, {run['weights_bytes_from_host'] / 1e9:.2f} GB from host, "
-                    f"{run['weights_bytes_from_disk'] / 1e9:.2f} GB from disk; other processes "
-                    f"{(run['cpu'] or {}).get('other_cpus', float('nan')):.2f} CPUs")
+        bw = bandwidths(args, ops, work_root)
+        todo, policy_search = plan_setups(args, arch, budget, work_root, bw)
+        samples, errors = run_rounds(args, todo, prompts, bw, work_root, t_start)
     finally:
         shutil.rmtree(work_root, ignore_errors=True)
+    runs, ok, checks = summarize(samples, errors, budget)
+    result = record(args, arch, budget, bw, device_info(ops), policy_search, runs, ok, checks)
+    result["wall_s"] = time.perf_counter() - t_start
+    write(args, result)
+    return 0 if not checks["failed"] and not checks["different_tokens"] else 1
+
+
+def bandwidths(args, ops, work_root: Path) -> dict:
+    """The tier reads as today on every backend; on a GPU also its links (bench/offload_gpu.py)."""
+    log("measuring tier bandwidths")
+    size = int(args.probe_mb * 2**20)
+    bw = measure_bandwidths(str(work_root), size)
+    if ops.name == "cupy":
+        bw.update(offload_gpu.measure_links(ops.xp, size))
+        bw.update(offload_gpu.measure_device(ops.xp))
+        sync_device(ops)
+    log(", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in bw.items() if k not in ("bytes", "gpu_timing")))
+    return bw
+
+
+def plan_setups(args, arch, budget: int, work_root: Path, bw: dict) -> tuple[list, object]:
+    """The setups of this invocation (--quant, --kv-quant, or the schedules and the LP's policy), and what the
+    policy search said."""
+    todo = quant_setups(args) if args.quant else kv_setups(args) if args.kv_quant else setups(args)
+    special = "--quant" if args.quant else "--kv-quant" if args.kv_quant else None
+    policy_search = f"skipped ({special})" if special else "skipped (--no-policy)"
+    if not args.no_policy and not special:
+        log("lp.search_policy on a measured profile")
+        setup, details = recommended(args, arch, args.prompt_len, budget, work_root, bw)
+        policy_search = details
+        if setup is not None:
+            todo.append(setup)
+    if args.only:
+        groups = set(args.only.split(","))
+        todo = [s for s in todo if s.group in groups]
+    return todo, policy_search
+
+
+def run_rounds(args, todo: list, prompts: list, bw: dict, work_root: Path, t_start: float) -> tuple[dict, dict]:
+    """Every setup once per round, rounds while the time budget lasts: ({name: [run]}, {name: error})."""
+    samples: dict = {s.name: [] for s in todo}
+    errors: dict = {}
+    for round_ in range(args.repeats):
+        if round_ and time.perf_counter() - t_start > args.budget:
+            log(f"time budget of {args.budget:.0f} s spent: {round_} round(s)")
+            break
+        for setup in todo:
+            if setup.name in errors:
+                continue
+            work = work_root / (f"r{round_}-" + setup.name.replace(" ", "_").replace(":", "").replace(",", ""))
+            work.mkdir()
+            quiet = wait_quiet(args.quiet_wait)
+            log(f"round {round_ + 1}, {setup.name}: {setup.keys or 'no [offload]'}")
+            try:
+                run = run_setup(setup, prompts, args, work)
+            except Exception as exc:  # noqa: BLE001 - a failed setup (e.g. a plan above the budget) is a result
+                log(f"  failed: {type(exc).__name__}: {exc}")
+                errors[setup.name] = f"{type(exc).__name__}: {exc}"
+                continue
+            run["quiet"] = quiet
+            add_floor(run, bw)
+            samples[setup.name].append(run)
+            log(f"  {run['tokens_per_s']:.2f} tokens/s, run {run['run_s']:.1f} s, floor {run['floor_s']:.2f} "
+                f"s, {run['weights_bytes_from_host'] / 1e9:.2f} GB from host, "
+                f"{run['weights_bytes_from_disk'] / 1e9:.2f} GB from disk; other processes "
+                f"{(run['cpu'] or {}).get('other_cpus', float('nan')):.2f} CPUs")
+    return samples, errors
+
+
+def summarize(samples: dict, errors: dict, budget: int) -> tuple[dict, dict, dict]:
+    """(runs: each setup's fastest whole run or its error, ok: those that ran, checks)."""
     # Per setup: its fastest whole run (another process on a 2-CPU machine only ever slows a run down).
     runs = {name: dict(min(runs_, key=lambda r: r["run_s"]), samples_s=[round(r["run_s"], 3) for r in runs_],
                        samples_other_cpus=[(r["cpu"] or {}).get("other_cpus") for r in runs_])
             for name, runs_ in samples.items() if runs_}
     runs.update({name: {"name": name, "error": err} for name, err in errors.items() if name not in runs})
-
     ok = {k: v for k, v in runs.items() if "error" not in v}
     fmt = lambda v: (v["quantize"], v["kv_cache"])                                      # noqa: E731
     references = {fmt(v): v for v in ok.values() if v["group"] == "reference"}      # per weight and KV format
@@ -565,30 +619,40 @@ def main(argv=None) -> int:
               "peak_weights_within_budget": all(v["weights_peak_device_bytes"] <= budget for v in ok.values()
                                                   if v["group"] != "reference"),
               "failed": {k: v["error"] for k, v in runs.items() if "error" in v}}
-    date = _dt.date.today().isoformat()
-    result = {
-        "date": date, "git_commit": git_commit(), "machine": machine_info(),
-        "settings": {"checkpoint": args.checkpoint, "batch": args.batch, "gpu_batches": args.gpu_batches,
-                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "device_memory": budget,
-                     "blas_threads": args.threads, "quant": args.quant,
-                     "kv_quant": args.kv_quant,
-                     "model_bytes": arch.param_count() * 4, "layers": arch.num_layers,
+    return runs, ok, checks
+
+
+def record(args, arch, budget: int, bw: dict, device: dict, policy_search, runs: dict, ok: dict,
+           checks: dict) -> dict:
+    """The JSON record (the tokens stay out: `checks` compares them)."""
+    from hpcinfer.parallel.stages import layer_params
+
+    return {
+        "date": _dt.date.today().isoformat(), "git_commit": git_commit(), "machine": machine_info(),
+        "backend": args.backend, "device": device,
+        "settings": {"checkpoint": args.checkpoint, "backend": args.backend, "batch": args.batch,
+                     "gpu_batches": args.gpu_batches, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "device_memory": budget, "blas_threads": args.threads, "quant": args.quant,
+                     "kv_quant": args.kv_quant, "model_bytes": arch.param_count() * 4, "layers": arch.num_layers,
                      "layer_bytes": layer_params(arch) * 4},
         "repeats": args.repeats, "bandwidth": bw, "policy_search": policy_search,
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in ok.values()],
         "failed": checks["failed"], "ratios": (quant_ratios(ok) if args.quant else kv_ratios(ok) if args.kv_quant else
                                                       ratios(ok)), "checks": checks,
-        "wall_s": time.perf_counter() - t_start,
     }
+
+
+def write(args, result: dict) -> None:
+    """offload[-gpu][-quant|-kv-quant]-DATE.json and .md under --out, and the tables to stdout."""
     text = markdown(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"offload-quant-{date}" if args.quant else f"offload-kv-quant-{date}" if args.kv_quant else f"offload-{date}"
+    kind = "-quant" if args.quant else "-kv-quant" if args.kv_quant else ""
+    stem = f"offload{'-gpu' if args.backend == 'cupy' else ''}{kind}-{result['date']}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / f"{stem}.md").write_text(text)
     print(text)
     log(f"done in {result['wall_s']:.0f} s: {out / f'{stem}.json'}, {out / f'{stem}.md'}")
-    return 0 if not checks["failed"] and not checks["different_tokens"] else 1
 
 
 if __name__ == "__main__":
