@@ -1,5 +1,5 @@
 """The zig-zag schedule with a quantized KV cache at tp = 2 under MPI (tests/test_offload_kv_quant.py at one rank):
-each rank holds its 2 of the 4 KV heads, quantized, in host memory through the staging cache, and the ranks
+each rank holds its 2 of the 4 KV heads, quantized, in host memory through the staging buffers, and the ranks
 generate exactly the tokens of the row schedule with the same KV mode and layout, which are those of one rank."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mpi_helpers import world
+from test_offload_kv_quant import window_positions
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from hpcinfer.comm.group import Groups, MPIGroup
@@ -56,7 +57,9 @@ def test_zigzag_quantized_cache_at_tp2_gives_the_row_schedules_tokens(mode):
     assert zig == row
     assert zig == run(mode, HOST, 1)[0]                                  # the one-rank answer
     row_bytes = {"int8": 16 + 4, "int4": 8 + 4}[mode]                    # head_dim 16, one group per row
-    # each rank moves its 2 KV heads: steps * layers * (K, V) * sequences * heads * Lmax * row bytes
-    assert times.kv_bytes_to_device == MAX_NEW * 4 * 2 * 8 * 2 * (14 + MAX_NEW) * row_bytes
+    # each rank moves its 2 KV heads: layers * (K, V) * heads * row bytes * the positions of each batch's windows
+    loads, stores = window_positions(PROMPT_LENGTHS, MAX_NEW)
+    assert (times.kv_bytes_to_device, times.kv_bytes_to_host) == (4 * 2 * 2 * row_bytes * loads,
+                                                                  4 * 2 * 2 * row_bytes * stores)
     all_tokens = world().allgather(zig)
     assert all(t == zig for t in all_tokens)

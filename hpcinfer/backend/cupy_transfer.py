@@ -6,7 +6,8 @@ copy stream per engine, CUDA events between it and the compute stream.
     freeing   (compute)     [compute stream] record(reuse_after), then the uploaded arrays are dropped
     upload_into (compute)   [compute stream] record(ready) ; [copy stream] wait(ready) -> memcpyAsync H2D -> record(done)
     download  (compute)     [compute stream] record(ready) ; [copy stream] wait(ready) -> memcpyAsync D2H -> record(done)
-                            Download.wait(): the host blocks on done
+                            Download.wait(): the host blocks on done; Download.fence(): [compute stream] wait(done),
+                            before kernels that overwrite the downloaded array
 
 Why the events are where they are:
 - The compute stream waits on `done` before the kernels that read an upload: the copy overlaps the compute issued
@@ -19,6 +20,8 @@ Why the events are where they are:
 - A pinned source must not change before its copy has run: the host tier's buffers never change, and the staging
   buffers of non-pinned sources (disk tier: a memory map read into a fresh pinned buffer) are kept until their
   `done` event completes.
+- A window of an array (a KV cache's positions [N, H, lo:hi, X]) is not contiguous: it moves as one pitched 2D
+  copy (cudaMemcpy2DAsync: a row per (sequence, head), the pitch of each side's own layout), not row by row.
 - The copy stream is non-blocking: the legacy default stream (where the compute runs unless a stream is made
   current) does not serialize with it, which a blocking stream would, and overlap would be lost.
 """
@@ -32,28 +35,52 @@ import numpy as np
 
 from .cupy_ops import BF16_BITS, _is_bf16
 
+HOST_TO_DEVICE, DEVICE_TO_HOST = 1, 2      # cudaMemcpyKind
+
 
 def _bits(host: np.ndarray) -> np.ndarray:
     """bfloat16 host arrays travel as their uint16 bits (the device storage of bfloat16)."""
     return host.view(BF16_BITS) if _is_bf16(host.dtype) else host
 
 
+def pitched(a) -> tuple[int, int, int]:
+    """(row bytes, rows, pitch) of a host or device array seen as rows of contiguous bytes at one pitch: a
+    contiguous array is one row; a slice along one axis of a contiguous array (a KV cache's window of positions
+    [N, H, lo:hi, X]) has a row per index of the axes before that one. ValueError for other layouts."""
+    if a.flags.c_contiguous:
+        return a.nbytes, 1, a.nbytes
+    axes = [(n, st) for n, st in zip(a.shape, a.strides) if n != 1]          # size-1 axes do not move memory
+    width = a.itemsize
+    while axes and axes[-1][1] == width:                                     # the contiguous trailing axes
+        width *= axes.pop()[0]
+    if not axes or any(st != n * inner for (_, st), (n, inner) in zip(axes, axes[1:])):
+        raise ValueError(f"an array of shape {a.shape} and strides {a.strides} is not rows at one pitch")
+    return width, int(np.prod([n for n, _ in axes], dtype=np.int64)), axes[-1][1]
+
+
 class Upload:
-    """Host -> device copies in flight: arrays() makes the compute stream wait for them, and gives them."""
+    """Host -> device copies in flight: arrays() makes the compute stream wait for them (fence()), and gives them."""
 
     def __init__(self, arrays: list, done, compute):
         self._arrays, self.done, self.compute = arrays, done, compute
 
-    def arrays(self) -> list:
+    def fence(self) -> None:
         self.compute.wait_event(self.done)
+
+    def arrays(self) -> list:
+        self.fence()
         return self._arrays
 
 
 class Download:
-    """A device -> host copy in flight: wait() blocks the host until `out` holds the device array's values."""
+    """A device -> host copy in flight: wait() blocks the host until `out` holds the device array's values;
+    fence() makes the compute stream wait for it (the host does not), before work that overwrites the source."""
 
-    def __init__(self, out: np.ndarray, done, source):
-        self.out, self.done, self._source = out, done, source    # the source stays alive until the copy ran
+    def __init__(self, out: np.ndarray, done, source, compute):
+        self.out, self.done, self._source, self.compute = out, done, source, compute   # source alive till copied
+
+    def fence(self) -> None:
+        self.compute.wait_event(self.done)
 
     def wait(self) -> np.ndarray:
         self.done.synchronize()
@@ -108,7 +135,10 @@ class StreamCopies:
         (which may still read what it holds). pinned=False: read into a pinned staging buffer first, as upload."""
         source = host_array if pinned else self.host_copy(host_array)
         self.stream.wait_event(self.compute.record())
-        device_array.set(_bits(source), stream=self.stream)
+        if device_array.flags.c_contiguous and source.flags.c_contiguous:
+            device_array.set(_bits(source), stream=self.stream)
+        else:                                          # a window: one pitched copy
+            self._copy_2d(device_array.data.ptr, device_array, source.ctypes.data, source, HOST_TO_DEVICE)
         done = self.stream.record()
         self._keep(done, [] if pinned else [source])
         return Upload([device_array], done, self.compute)
@@ -116,8 +146,18 @@ class StreamCopies:
     def download(self, device_array, out: np.ndarray) -> Download:
         """Start copying `device_array` into the pinned host array `out`, after the compute issued so far."""
         self.stream.wait_event(self.compute.record())
-        device_array.get(stream=self.stream, out=_bits(out), blocking=False)
-        return Download(out, self.stream.record(), device_array)
+        if device_array.flags.c_contiguous and out.flags.c_contiguous:
+            device_array.get(stream=self.stream, out=_bits(out), blocking=False)
+        else:                                          # a window: one pitched copy
+            self._copy_2d(out.ctypes.data, out, device_array.data.ptr, device_array, DEVICE_TO_HOST)
+        return Download(out, self.stream.record(), device_array, self.compute)
+
+    def _copy_2d(self, dst_ptr: int, dst, src_ptr: int, src, kind: int) -> None:
+        (width, rows, dst_pitch), (src_width, src_rows, src_pitch) = pitched(dst), pitched(src)
+        if (width, rows) != (src_width, src_rows) or dst.shape != src.shape:
+            raise ValueError(f"copy between shapes {src.shape} and {dst.shape}")
+        self.cp.cuda.runtime.memcpy2DAsync(dst_ptr, dst_pitch, src_ptr, src_pitch, width, rows, kind,
+                                           self.stream.ptr)
 
     @contextlib.contextmanager
     def freeing(self):

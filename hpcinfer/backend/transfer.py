@@ -9,7 +9,9 @@ and how a backend moves it. `ops.copy_engine()` gives one per user; its methods:
     upload_into(device_array, host_array, pinned) -> Upload   host -> an existing device array, after
                                                  the work issued so far (which may still read it)
     download(device_array, out) -> Download      device -> a host buffer, after the work issued so far;
-                                                 Download.wait() blocks the host until `out` holds it
+                                                 Download.wait() blocks the host until `out` holds it;
+                                                 Download.fence(): the compute issued from now on comes after
+                                                 it (it may overwrite device_array then)
     freeing()                                    a context around dropping uploaded arrays (their memory may be
                                                  reused by a later upload only after the work issued before it)
     close()                                      wait for copies in flight
@@ -35,6 +37,9 @@ class Ready:
         return self.result
 
     wait = arrays
+
+    def fence(self) -> None:
+        pass
 
 
 class HostCopies:

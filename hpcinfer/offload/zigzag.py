@@ -35,8 +35,11 @@ class HostKV:
     pass through, unless CPU attention reads them where they are. A step visits (layer, batch) pairs in the zig-zag
     order; pair k is loaded into staging buffer k % 2 while pair k - 1 computes in the other, and stored back after
     it ran (on a GPU: on the copy stream, ordered by events, backend/cupy_transfer.py), so the loads of the next
-    batch's cache and the stores of the previous one overlap the current compute. A quantized cache
-    (model.kv_format) moves as its quantized parts; the byte counts are of what moves."""
+    batch's cache and the stores of the previous one overlap the current compute. Only the positions that matter
+    move, as FlexGen moves them: a load brings the positions cached before the step ([0, max start)), a store takes
+    back the positions the step wrote ([min start, max end)); positions of a buffer past a sequence's own length
+    hold another batch's rows and are never read (attention reads [0, length) and appends before it reads). A
+    quantized cache (model.kv_format) moves as its quantized parts; the byte counts are of what moves."""
 
     def __init__(self, model, sizes: dict, max_len: int, cpu_attention: bool):
         arch = model.arch
@@ -48,8 +51,10 @@ class HostKV:
         self.staging = [] if cpu_attention or not sizes else \
             [make(model.ops, 1, max(sizes.values())) for _ in range(2)]         # one layer of the largest batch
         self.order: list = []                           # this step's (layer, b) pairs, in the order they run
+        self.windows: dict = {}                         # b -> (load positions, store positions) of this step
         self.loads: dict = {}                           # pair index -> the uploads into its staging buffer
         self.stores: dict = {}                          # (layer, b) -> the downloads of its last store
+        self.stored_from: dict = {}                     # staging buffer -> the downloads last issued from it
         self.cursor = -1                                # index in `order` of the pair computing now
         self.bytes_to_device = self.bytes_to_host = 0
 
@@ -57,9 +62,13 @@ class HostKV:
     def staging_bytes(self) -> int:
         return sum(c.nbytes for c in self.staging)
 
-    def begin_step(self, batches: list, num_layers: int) -> None:
-        """The host-resident batches that run this step (in the loop's order): load the first pair."""
-        self.order = [(layer, b) for layer in range(num_layers) for b in batches]
+    def begin_step(self, steps: dict, num_layers: int) -> None:
+        """The host-resident batches that run this step ({b: its StepLayout}, in the loop's order): their windows;
+        load the first pair."""
+        self.windows = {b: (slice(0, int(step.starts.max())),
+                            slice(int(step.starts.min()), int((step.starts + step.counts).max())))
+                        for b, step in steps.items()}
+        self.order = [(layer, b) for layer in range(num_layers) for b in steps]
         self.cursor = -1
         if self.staging and self.order:
             self._start_load(0)
@@ -71,8 +80,9 @@ class HostKV:
             return self.host[b]
         self.cursor += 1
         assert self.order[self.cursor] == (layer, b), f"zig-zag KV out of order: {(layer, b)}"
-        for upload in self.loads.pop(self.cursor):
-            upload.arrays()                             # the compute waits for the load, the host does not
+        for copy in self.stored_from.pop(self.cursor % 2, []) + self.loads.pop(self.cursor):
+            copy.fence()                                # the compute waits for the buffer's last store (a prompt
+                                                        # step loads nothing) and its load; the host does not
         if self.cursor + 1 < len(self.order):
             self._start_load(self.cursor + 1)
         return _LayerView(self.staging[self.cursor % 2], layer)
@@ -81,8 +91,9 @@ class HostKV:
         """Copy the layer's rows of batch b back to its host cache, after the compute issued so far."""
         if not self.staging:
             return
-        host, staged = self._rows(layer, b, self.cursor % 2)
+        host, staged = self._rows(layer, b, self.cursor % 2, self.windows[b][1])
         self.stores[layer, b] = [self.copies.download(d, h) for d, h in zip(staged, host)]
+        self.stored_from[self.cursor % 2] = self.stores[layer, b]
         self.bytes_to_host += sum(int(h.nbytes) for h in host)
 
     def finish(self) -> None:
@@ -97,16 +108,19 @@ class HostKV:
         layer, b = self.order[k]
         for download in self.stores.pop((layer, b), []):  # the host rows are whole again (a step ago: done)
             download.wait()
-        host, staged = self._rows(layer, b, k % 2)
-        self.loads[k] = [self.copies.upload_into(d, h) for d, h in zip(staged, host)]
+        host, staged = self._rows(layer, b, k % 2, self.windows[b][0])
+        loads = self.windows[b][0].stop > 0                # a prompt step has nothing cached yet
+        self.loads[k] = [self.copies.upload_into(d, h) for d, h in zip(staged, host)] if loads else []
         self.bytes_to_device += sum(int(h.nbytes) for h in host)
 
-    def _rows(self, layer: int, b: int, slot: int) -> tuple[list, list]:
-        """(host arrays, staging arrays) of batch b's K and V rows of `layer`, part by part."""
+    def _rows(self, layer: int, b: int, slot: int, positions: slice) -> tuple[list, list]:
+        """(host arrays, staging arrays) of batch b's K and V rows of `layer` at `positions`, part by part:
+        [n, Hkv, positions, hd] windows (quantized: each part's)."""
         host, staging = self.host[b], self.staging[slot]
-        n = host.n_seqs
-        host_parts = [p for rows in (host.k[layer], host.v[layer]) for p in _parts(rows)]
-        staged_parts = [p for rows in (staging.k[0][:n], staging.v[0][:n]) for p in _parts(rows)]
+        window = (slice(None), slice(None), positions)
+        host_parts = [p for rows in (host.k[layer], host.v[layer]) for p in _parts(rows[window])]
+        staged_parts = [p for rows in (staging.k[0][:host.n_seqs], staging.v[0][:host.n_seqs])
+                        for p in _parts(rows[window])]
         return host_parts, staged_parts
 
 
@@ -158,7 +172,7 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
         t0 = time.perf_counter()
         x = {b: model.embed_tokens(tokens, step) for b, (_, step, tokens) in work.items()}
         rope = {b: model.rope_for(step) for b, (_, step, _) in work.items()}
-        host_kv.begin_step([b for b in work if b not in caches], model.num_local_layers)
+        host_kv.begin_step({b: step for b, (_, step, _) in work.items() if b not in caches}, model.num_local_layers)
         for layer in range(model.num_local_layers):
             model.weights.fetch(layer)                                            # once for the whole block
             for b, (_, step, _) in work.items():

@@ -99,7 +99,7 @@ import pytest
 
 from hpcinfer.kernels import emulate
 
-from . import state
+from . import pitched, state
 from .arrays import ndarray
 from .devices import (Device, Event, Graph, MemoryPool, PinnedMemoryPool, Stream, _default_pool, _pinned_pool,
                       _runtime_module, get_current_stream, using_allocator)
@@ -149,6 +149,7 @@ def build(devices: int = 1, sm_count: int = 2) -> dict[str, types.ModuleType]:
     cuda = types.ModuleType("cupy.cuda")
     cuda.__path__ = []
     runtime = _runtime_module()
+    runtime.memcpy2DAsync = _memcpy2d_async
     compiler = types.ModuleType("cupy.cuda.compiler")
     compiler.CompileException = CompileException
     nvrtc = types.ModuleType("cupy.cuda.nvrtc")
@@ -175,6 +176,11 @@ def build(devices: int = 1, sm_count: int = 2) -> dict[str, types.ModuleType]:
     state._fake = cp
     return {"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.compiler": compiler,
             "cupy.cuda.nvrtc": nvrtc, "cupy.cuda.nccl": nccl, "cupy.cuda.graph": graph, "cupyx": cupyx}
+
+
+def _memcpy2d_async(*args):
+    state._state.host_sync("runtime.memcpy2DAsync (host <-> device copy)")
+    pitched.memcpy2DAsync(*args)
 
 
 def install(monkeypatch, devices: int = 1, sm_count: int = 2) -> types.ModuleType:

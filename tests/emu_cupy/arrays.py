@@ -13,7 +13,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from . import state
 from .devices import Device
-from .state import POISON_BYTE, StreamOrderError, poison, raise_pending
+from .state import POISON_BYTE, StreamOrderError, raise_pending
 
 
 def _is_host_array(x) -> bool:
@@ -313,16 +313,22 @@ def _copy_from_host_async(dst: ndarray, host: np.ndarray, stream):
     from pageable memory, run now (CUDA stages pageable memory synchronously) and counted."""
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)        # a staging copy: pageable
+    upload_async(dst._a, host, stream, "ndarray.set(stream=...) into")
+
+
+def upload_async(dst: np.ndarray, host: np.ndarray, stream, what: str):
+    """A host -> device copy on `stream` between the memory of two NumPy views (the device one the fake's
+    memory): from pinned memory queued (dst pending until it runs), from pageable memory run now and counted."""
     st = state._state
-    st.check_pending([dst._a], "ndarray.set(stream=...) into", allow=stream)
+    st.check_pending([dst], what, allow=stream)
     if not st.is_pinned(host):
         st.pageable_async_copies += 1
         st.order_before(stream)
-        dst._a[...] = host
+        dst[...] = host
         return
     # not poisoned now: a copy queued before this one on the same stream (a download of the old contents) must
     # still read them; device work that touches the range before the copy ran raises (state.check_pending)
-    copy = _HostToDevice(dst._a, host, stream)
+    copy = _HostToDevice(dst, host, stream)
     with st.lock:
         st.pending.append(copy)
         stream._enqueue(copy)
@@ -331,17 +337,26 @@ def _copy_from_host_async(dst: ndarray, host: np.ndarray, stream):
 def _copy_to_host_async(src: ndarray, stream, out, order):
     """get(stream=s, out=pinned, blocking=False): queued on s (out poisoned until it runs, the device memory read
     when it runs); into pageable memory (or no out), run now and counted."""
+    if out is None:
+        state._state.check_pending([src._a], "ndarray.get(stream=..., blocking=False)", allow=stream)
+        state._state.pageable_async_copies += 1
+        state._state.order_before(stream)
+        return np.array(src._a, copy=True, order=order)
+    return download_async(src._a, _check_out(src, out), stream, "ndarray.get(stream=..., blocking=False)")
+
+
+def download_async(src: np.ndarray, out: np.ndarray, stream, what: str):
+    """A device -> host copy on `stream` between the memory of two NumPy views: into pinned memory queued (out
+    poisoned until it runs, the device memory read when it runs), into pageable memory run now and counted."""
     st = state._state
-    st.check_pending([src._a], "ndarray.get(stream=..., blocking=False)", allow=stream)
-    if out is None or not st.is_pinned(out):
+    st.check_pending([src], what, allow=stream)
+    if not st.is_pinned(out):
         st.pageable_async_copies += 1
         st.order_before(stream)
-        if out is None:
-            return np.array(src._a, copy=True, order=order)
-        _check_out(src, out)[...] = src._a
+        out[...] = src
         return out
-    poison(_check_out(src, out))
-    stream._enqueue(_DeviceToHost(src._a, out))
+    out[...] = np.frombuffer(bytes([POISON_BYTE]) * out.dtype.itemsize, dtype=out.dtype)[0]   # any view, any dtype
+    stream._enqueue(_DeviceToHost(src, out))
     return out
 
 

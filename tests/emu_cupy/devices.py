@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 
 import numpy as np
 
@@ -111,6 +112,8 @@ class Stream:
         self._ops, self._invalid = None, None
         self._queue: list = []              # async copies not yet run, in issue order
         self._enqueued = self._flushed = 0  # copies ever queued / run (events mark _enqueued)
+        if not null:
+            _streams[id(self)] = self           # stream_of(ptr): raw-pointer APIs name streams by handle
 
     ptr = property(lambda self: 0 if self.is_null else id(self))
 
@@ -188,7 +191,16 @@ class Stream:
         return f"<Stream {self.ptr} (emulated)>"
 
 
+_streams = weakref.WeakValueDictionary()
 Stream.null = Stream(null=True)
+
+
+def stream_of(ptr: int) -> Stream:
+    """The stream whose handle (Stream.ptr) is `ptr`: 0 is the null stream."""
+    stream = Stream.null if ptr == 0 else _streams.get(ptr)
+    if stream is None:
+        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no stream has handle {ptr}")
+    return stream
 
 
 def get_current_stream(device_id=None):
@@ -255,6 +267,7 @@ def _runtime_module():
     m.getDevice = lambda: state._state.device
     m.setDevice = lambda i: Device(i).use()
     m.deviceSynchronize = lambda: _device_synchronize("cudaDeviceSynchronize")
+    m.memcpyHostToDevice, m.memcpyDeviceToHost = 1, 2
     m.memGetInfo = lambda: (64 << 30, 80 << 30)
     m.runtimeGetVersion = lambda: 12080
     m.driverGetVersion = lambda: 12080
