@@ -69,7 +69,7 @@ def _op(fn, args, kwargs=None, *, strict=True, what=None):
         result = np.asarray(result)               # cupy gives 0-d device arrays, never scalars
     if ops is not None:
         _record(ops, fn, a, k, result, found)
-    originals = {id(v._a): v for v in _iter_wrapped((args, kwargs))}
+    originals = {id(v._a): v for v in _leaves((args, kwargs), ndarray)}
     return _wrap(result, originals)
 
 
@@ -79,37 +79,27 @@ def _run_checked(fn, a, k, hits, what):
         result = fn(*a, **k)
     except Exception as exc:
         raise StreamOrderError(f"{what} failed on device memory with a pending async copy ({exc})") from exc
-    if not _is_view(result, k, [x for x in _flat_arrays((a, k))]):
+    if not _is_view(result, k, list(_leaves((a, k), np.ndarray))):
         raise_pending(hits, what)
     return result
 
 
-def _flat_arrays(x):
-    if isinstance(x, np.ndarray):
+def _leaves(x, kind):
+    """Every `kind` instance in nested lists, tuples and dict values."""
+    if isinstance(x, kind):
         yield x
     elif isinstance(x, (list, tuple)):
         for v in x:
-            yield from _flat_arrays(v)
+            yield from _leaves(v, kind)
     elif isinstance(x, dict):
         for v in x.values():
-            yield from _flat_arrays(v)
+            yield from _leaves(v, kind)
 
 
 def _is_view(result, k, inputs) -> bool:
     """The op only made a view of an input (reshape, transpose, basic slice, astype(copy=False))."""
     return (isinstance(result, np.ndarray) and "out" not in k
             and any(np.may_share_memory(result, i) for i in inputs))
-
-
-def _iter_wrapped(x):
-    if isinstance(x, ndarray):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _iter_wrapped(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _iter_wrapped(v)
 
 
 def _record(ops: list, fn, a, k, result, inputs):
@@ -320,11 +310,7 @@ def upload_async(dst: np.ndarray, host: np.ndarray, stream, what: str):
     """A host -> device copy on `stream` between the memory of two NumPy views (the device one the fake's
     memory): from pinned memory queued (dst pending until it runs), from pageable memory run now and counted."""
     st = state._state
-    st.check_pending([dst], what, allow=stream)
-    if not st.is_pinned(host):
-        st.pageable_async_copies += 1
-        st.order_before(stream)
-        dst[...] = host
+    if _ran_pageable(dst, host, stream, what, dst, host):
         return
     # not poisoned now: a copy queued before this one on the same stream (a download of the old contents) must
     # still read them; device work that touches the range before the copy ran raises (state.check_pending)
@@ -332,6 +318,19 @@ def upload_async(dst: np.ndarray, host: np.ndarray, stream, what: str):
     with st.lock:
         st.pending.append(copy)
         stream._enqueue(copy)
+
+
+def _ran_pageable(device: np.ndarray, host: np.ndarray, stream, what: str, dst, src) -> bool:
+    """Check the device side against pending copies; with a pageable host side, copy now (CUDA stages pageable
+    memory synchronously, in stream order), count it and return True."""
+    st = state._state
+    st.check_pending([device], what, allow=stream)
+    if st.is_pinned(host):
+        return False
+    st.pageable_async_copies += 1
+    st.order_before(stream)
+    dst[...] = src
+    return True
 
 
 def _copy_to_host_async(src: ndarray, stream, out, order):
@@ -348,12 +347,7 @@ def _copy_to_host_async(src: ndarray, stream, out, order):
 def download_async(src: np.ndarray, out: np.ndarray, stream, what: str):
     """A device -> host copy on `stream` between the memory of two NumPy views: into pinned memory queued (out
     poisoned until it runs, the device memory read when it runs), into pageable memory run now and counted."""
-    st = state._state
-    st.check_pending([src], what, allow=stream)
-    if not st.is_pinned(out):
-        st.pageable_async_copies += 1
-        st.order_before(stream)
-        out[...] = src
+    if _ran_pageable(src, out, stream, what, out, src):
         return out
     out[...] = np.frombuffer(bytes([POISON_BYTE]) * out.dtype.itemsize, dtype=out.dtype)[0]   # any view, any dtype
     stream._enqueue(_DeviceToHost(src, out))
