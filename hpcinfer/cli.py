@@ -91,6 +91,9 @@ def _offload_parsers(sub) -> None:
     plan.add_argument("--candidates", type=int, default=10, help="rows of the candidates table (default 10)")
     _layout_plan_arguments(plan)
     for parser in (profile, plan):
+        parser.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto",
+                            help="measure the device as this backend sees it: cupy measures the GPU's link from "
+                                 "pinned memory, its matmul and memory (auto: cupy when a GPU is visible)")
         for tier in ("device", "host", "disk"):
             parser.add_argument(f"--{tier}-memory", default=None, metavar="BYTES",
                                 help=f'{tier} tier capacity: bytes, or a size such as "16GB" or "2GiB"')
@@ -186,6 +189,7 @@ def _measure(args):
     import os
     import tempfile
 
+    from .backend.ops import make_ops
     from .errors import ConfigError
     from .offload.profile import measure
 
@@ -193,10 +197,16 @@ def _measure(args):
     if not os.path.isdir(disk_dir):
         raise ConfigError(f"--disk-dir '{disk_dir}' is not a directory")
     size = _bytes_option("size", getattr(args, "size", "256MiB"))
+    ops = make_ops(getattr(args, "backend", "auto"), 0)
     try:
-        return measure(disk_dir, size=size, **_budgets(args))
+        profile = measure(disk_dir, size=size, **_budgets(args))
     except OSError as exc:
         raise ConfigError(f"cannot measure the disk under '{disk_dir}': {exc.strerror or exc}") from None
+    if ops.name != "cupy":
+        return profile
+    from .offload.profile_gpu import with_gpu
+
+    return with_gpu(profile, ops.xp, size, _budgets(args).get("device_memory"))
 
 
 def _profile(args) -> int:

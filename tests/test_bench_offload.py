@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import emu_cupy as emu
-from bench import offload, offload_gpu
+from bench import offload
+from hpcinfer.offload import profile_gpu
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.kernels import emulate
 from hpcinfer.offload.profile import PRESETS as PROFILES
@@ -140,7 +141,7 @@ def test_gpu_transfer_floor_counts_each_link_once():
 def test_planner_profile_takes_the_gpu_links():
     base = next(iter(PROFILES.values()))
     bw = {"h2d_pinned": 2.5e10, "d2h_pinned": 2.0e10, "device_flops": 5e13, "device_copy": 2e12}
-    gpu = offload_gpu.gpu_profile(base, bw)
+    gpu = profile_gpu.gpu_profile(base, bw)
     assert (gpu.host_to_device, gpu.device_to_host, gpu.device_flops, gpu.device_bandwidth) == \
         (2.5e10, 2.0e10, 5e13, 2e12)
     assert (gpu.disk_to_host, gpu.host_flops, gpu.device_memory) == \
