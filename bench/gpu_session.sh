@@ -18,6 +18,7 @@
 #   quant     python -m bench.quant --backend cupy (needs the GGUF: stash + models first)
 #   encoder   python -m bench.encoder --backend cupy (needs MiniLM: stash + models first)
 #   offload   python -m bench.offload --backend cupy (needs models/smollm2.h5)
+#   profile   hpcinfer profile --backend cupy: the planner's profile of this machine ($OUT/profile-gpu.toml)
 #
 # Each step runs under `timeout $STEP_TIMEOUT` (default 540 s); everything goes to $OUT/session.log, one line per
 # step ("step rc seconds") to $OUT/summary.txt, and the benchmarks write their JSON and markdown to $OUT. A step
@@ -95,10 +96,14 @@ step_offload() {
     python3 -m bench.offload --backend cupy --checkpoint models/smollm2.h5 --out "$OUT" --work /tmp/offload-work
 }
 
+step_profile() {
+    python3 -m hpcinfer profile --backend cupy --disk-dir /tmp --out "$OUT/profile-gpu.toml"
+}
+
 run_step() {
     local name=$1 start rc
     if ! declare -F "step_$name" >/dev/null; then
-        echo "unknown step '$name' (steps: setup stash models ops mpi suite sanitize bench quant encoder offload)"
+        echo "unknown step '$name' (steps: setup stash models ops mpi suite sanitize bench quant encoder offload profile)"
         echo "$name unknown 0" >> "$OUT/summary.txt"
         return
     fi
