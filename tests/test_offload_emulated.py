@@ -31,26 +31,26 @@ PLACEMENTS = {"host": dict(weights_gpu=25, weights_cpu=75, prefetch_layers=1),
                                     cache_gpu=0, cache_cpu=100, cpu_attention=True)}
 
 
-def run(ops, prompts, off, quantize, with_times=False):
+def run(ops, prompts, off, quantize):
+    """(tokens per prompt, the model's weight tiers, the run's StepTimes)."""
     source = preset("tiny-dense")
     if quantize:
         configure(source, quantize, 32)
     model = build(source, off, ops)
     out, times = generate(model, prompts, off)
-    tokens = [tokens for tokens, _ in out]
-    return (tokens, model.weights, times) if with_times else (tokens, model.weights)
+    return [tokens for tokens, _ in out], model.weights, times
 
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_streamed_weights_on_emulated_cupy_give_numpys_tokens_and_bytes(prompts, tmp_path, placement, quantize):
     off = offload(tmp_path, **PLACEMENTS[placement])
-    want, cpu_tiers = run(NumpyOps(), prompts, off, quantize)
+    want, cpu_tiers, _ = run(NumpyOps(), prompts, off, quantize)
     with emu.installed():
         from hpcinfer.backend.cupy_ops import CupyOps
 
         got, gpu_tiers, times = run(CupyOps(device=0), prompts,
-                                    offload(tmp_path / "gpu", **PLACEMENTS[placement]), quantize, with_times=True)
+                                    offload(tmp_path / "gpu", **PLACEMENTS[placement]), quantize)
         # every copy of the offload paths went through the copy engine: pinned host memory, the copy stream
         # (the stand-in runs such a copy only when an event after it is waited on: a read without the wait fails)
         assert emu._state.pageable_async_copies == 0
@@ -84,7 +84,7 @@ def test_prefetch_threads_bind_the_ranks_gpu(prompts, tmp_path, monkeypatch):
         ops = CupyOps(device=1)
         real = ops.use_device
         monkeypatch.setattr(ops, "use_device", lambda: (bound.append(threading.current_thread().name), real())[1])
-        tokens, tiers = run(ops, prompts[:2], offload(tmp_path, **PLACEMENTS["host"]), None)
+        tokens, tiers, _ = run(ops, prompts[:2], offload(tmp_path, **PLACEMENTS["host"]), None)
     assert tiers.streamed and tokens
     assert bound and all(name != threading.main_thread().name for name in bound)
 

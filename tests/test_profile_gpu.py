@@ -17,6 +17,7 @@ def test_profile_on_cupy_measures_the_gpus_side(emu_cupy, tmp_path, monkeypatch)
                      "--disk-dir", str(tmp_path), "--host-memory", "8GiB"]) == 0
     profile = load_profile(str(out))
     assert "Emulated CUDA device" in profile.name and "pinned memory" in profile.notes
+    assert "numpy backend" not in profile.notes                    # the memcpy note is replaced, not kept
     assert profile.device_memory == 80 << 30                       # the GPU's memory (the stand-in's total)
     assert profile.host_memory == 8 << 30
     assert profile.host_to_device > 0 and profile.device_to_host > 0 and profile.device_flops > 0

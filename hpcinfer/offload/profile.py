@@ -221,6 +221,9 @@ def resolve_profile(name_or_path: str) -> HardwareProfile:
 
 # ---- measuring this machine ------------------------------------------------------------------------------------
 
+NUMPY_NOTE = "numpy backend: host<->device is a memcpy, device and host rates are the same numbers"
+
+
 def measure(tmp_dir: str, device_memory: int | None = None, host_memory: int | None = None,
             disk_memory: int | None = None, size: int = 256 * 2**20) -> HardwareProfile:
     """Measure this machine as the NumPy backend sees it (a few seconds with the default 256 MiB arrays).
@@ -248,7 +251,7 @@ def measure(tmp_dir: str, device_memory: int | None = None, host_memory: int | N
     read_mem_s = best_of(3, lambda: big @ vec)
     bandwidth = nbytes / read_mem_s
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    notes = ["numpy backend: host<->device is a memcpy, device and host rates are the same numbers"]
+    notes = [NUMPY_NOTE]
     if note:
         notes.append(note)
     if nbytes / read_s > nbytes / copy_s / 3:

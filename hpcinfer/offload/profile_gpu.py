@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from .profile import NUMPY_NOTE
+
 TIMING = "perf_counter between copy-stream synchronizations, best of 3"
 
 
@@ -80,9 +82,8 @@ def with_gpu(profile, cp, size: int, device_memory: int | None = None):
     total = int(cp.cuda.runtime.memGetInfo()[1])
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
-    notes = "; ".join(n for n in (profile.notes.replace(
-        "numpy backend: host<->device is a memcpy, device and host rates are the same numbers",
-        f"cupy backend on {name}: host<->device over the link from pinned memory ({TIMING})"),) if n)
-    return dataclasses.replace(gpu_profile(profile, bw), notes=notes,
+    host_notes = [n for n in profile.notes.split("; ") if n and n != NUMPY_NOTE]       # the disk's caveats stay
+    notes = [f"cupy backend on {name}: host<->device over the link from pinned memory ({TIMING})", *host_notes]
+    return dataclasses.replace(gpu_profile(profile, bw), notes="; ".join(notes),
                                device_memory=int(device_memory if device_memory is not None else total),
                                name=f"{profile.name.replace(' (measured)', '')} + {name} (measured)")
