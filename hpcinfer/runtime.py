@@ -239,10 +239,8 @@ def _fetch_group(mesh, nccl: bool = False):
     are all-gathered between the GPUs (each copies only its part in). Without it an MPIGroup gathering in host
     memory, also under comm = "mpi" with cupy: a host-staged device group would move more bytes over PCIe than
     one copy of the gathered layer. MPI rounds run on a prefetch thread when MPI allows calls from several threads
-    at once. NCCL rounds run on the main thread, in program order: from a prefetch thread an all-gather of this
-    communicator could reach the GPU before or after the main thread's tp / expert collectives in a different
-    order on different ranks, and NCCL would deadlock (overlapping them needs a fetch stream ordered by events:
-    left for a GPU session)."""
+    at once (the second value). NCCL rounds run on the main thread, in program order (their part uploads are
+    prefetched; offload/tiers.py says why)."""
     from mpi4py import MPI
 
     from .comm.group import MPIGroup

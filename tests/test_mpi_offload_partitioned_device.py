@@ -15,6 +15,7 @@ CuPy backend's uint16 bits) and the "still working" flags.
 
 from __future__ import annotations
 
+import threading
 import types
 
 import ml_dtypes
@@ -138,20 +139,29 @@ def test_device_gather_gives_numpys_tokens_and_moves_only_this_ranks_part(name, 
         model = build(ops, src, off("cupy"), mesh, comm="nccl")
         tiers, group = model.weights, model.weights.group
         assert isinstance(group, StagedMPIGroup) and group.size == n and tiers.gather_on_device
-        gathered, uploads = [], []                                     # what the rounds all-gather and upload
-        all_gather, upload_into = group.all_gather, tiers.copies.upload_into
-        group.all_gather = lambda x: gathered.append(x) or all_gather(x)
-        tiers.copies.upload_into = lambda d, h, pinned=True: uploads.append(h) or upload_into(d, h, pinned)
+        gathered, uploads = [], []                     # what the rounds all-gather and upload, and on which thread
+        all_gather, upload = group.all_gather, tiers.copies.upload
+        group.all_gather = lambda x: gathered.append((x, threading.current_thread())) or all_gather(x)
+        tiers.copies.upload = lambda hs, pinned=True: (uploads.extend((h, threading.current_thread()) for h in hs)
+                                                       or upload(hs, pinned))
         got = tokens(model, prompts, params, off("cupy"))
 
         parts = {tiers.images[i].part + 1 for i in tiers.streamed}
-        assert gathered and all(isinstance(x, cp.ndarray) and x.dtype == np.uint8 for x in gathered)
-        assert {x.size for x in gathered} <= parts                    # one part and its flag, on the device
-        # each round uploads this rank's part only, through the copy engine (pinned memory, the copy stream)
-        assert len(uploads) == len(gathered) and {u.size + 1 for u in uploads} <= parts
+        assert gathered and all(isinstance(x, cp.ndarray) and x.dtype == np.uint8 for x, _ in gathered)
+        assert {x.size for x, _ in gathered} <= parts                 # one part and its flag, on the device
+        # each round uploads this rank's part only, through the copy engine (pinned memory, the copy stream);
+        # with prefetch, up to prefetch_layers parts more (uploaded ahead of rounds that never came)
+        ahead = tiers.prefetch_layers
+        assert len(gathered) <= len(uploads) <= len(gathered) + ahead and {u.size for u, _ in uploads} <= parts
+        # the rounds (collective) run on the main thread in program order; with prefetch, the uploads ahead of
+        # them on a prefetch thread (all but, at most, the first streamed layer's when nothing came before it)
+        main = threading.main_thread()
+        assert all(t is main for _, t in gathered)
+        on_threads = sum(t is not main for _, t in uploads)
+        assert on_threads >= len(uploads) - 1 and on_threads > 0 if ahead else on_threads == 0
         assert emu._state.pageable_async_copies == 0 and emu._state.async_copies >= len(uploads)
         assert all(getattr(h, k) is None for i in tiers.streamed for h, k in tiers.tensors[i])    # released
     assert got == on_host == plain
-    assert tiers.bytes_from_host + tiers.bytes_from_disk == sum(x.size - 1 for x in gathered)
+    assert tiers.bytes_from_host + tiers.bytes_from_disk == sum(u.size - 1 for u, _ in uploads)
     assert (tiers.bytes_from_disk > 0) == ("disk" in tiers.tiers)
     assert len(set(comm.allgather(len(gathered)))) == 1                # every rank made the same rounds

@@ -4,15 +4,17 @@ one file), reads only its part at each fetch, and an all-gather over the group a
 member, so the slow link carries each byte of a layer once per group instead of once per rank.
 
 Image layout: the layer's arrays (float matrices, expert stacks' arrays, quantized q / scale / min) one after
-another, each at an offset aligned to ALIGN bytes; zero padding up to N equal parts. Each part travels with one
-extra byte, the sender's "still working" flag, so that a rank whose generation has ended can keep joining rounds
-until every member has ended (tiers.WeightTiers.close).
+another, each at an offset aligned to ALIGN bytes; zero padding up to N equal parts. Each part is stored and
+travels with one extra byte, the sender's "still working" flag, so that a rank whose generation has ended can keep
+joining rounds until every member has ended (tiers.WeightTiers.close); storing it makes a part one contiguous
+copy from its tier.
 
 Where the image is assembled: in host memory (NumPy backend, or a CuPy backend whose fetch group is a plain MPI
 group: the caller then copies the whole layer to the device), or on the device, when the caller uploads its part
 and the group all-gathers device arrays (an NCCL group, as ZeRO-Inference does): then the slow host -> device link
 also carries 1/N of the layer per rank, and the layer's arrays are device views of the device image. `gather` does
-both: the image lives in the memory its buffer came from.
+both: the image lives in the memory its buffer came from. The upload of a part (`upload_mine`) is this rank's own
+business and may be prefetched; the all-gather is collective and runs in the same order on every member.
 
 Shape legend: N members of the fetch group, P bytes of one part, I = N P bytes of the image.
 """
@@ -32,8 +34,8 @@ class LayerImage:
     specs: list                  # [(dtype, shape, offset)] of the layer's arrays in the image
     part: int                    # P: bytes of each member's part
     group: object                # the fetch group (a CommGroup)
-    host: np.ndarray | None      # this rank's part [P] (host tier)
-    path: str | None             # the file of this rank's part (disk tier)
+    host: np.ndarray | None      # this rank's part and its flag byte [P + 1] (host tier)
+    path: str | None             # the file of this rank's part and its flag byte [P + 1] (disk tier)
 
     @classmethod
     def build(cls, arrays: list, group, tier: str, path: str, host_copy=np.copy) -> "LayerImage":
@@ -47,7 +49,8 @@ class LayerImage:
         image = np.zeros(part * group.size, np.uint8)                               # [I]
         for a, (_, _, at) in zip(arrays, specs):
             image[at:at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        mine = image[group.rank * part:(group.rank + 1) * part]                     # [P]
+        mine = np.zeros(part + 1, np.uint8)                                         # [P + 1]
+        mine[:-1] = image[group.rank * part:(group.rank + 1) * part]
         if tier == "host":
             return cls(specs, part, group, host_copy(mine), None)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -60,21 +63,18 @@ class LayerImage:
         return self.part
 
     def stored(self) -> np.ndarray:
-        """This rank's part [P] where it lies: the host buffer, or a memory map of its file."""
+        """This rank's part and flag byte [P + 1] where they lie: the host buffer, or a memory map of the file."""
         return self.host if self.host is not None else np.load(self.path, mmap_mode="r")
 
     def read_mine(self) -> np.ndarray:
         """This rank's part, read from its tier into a host send buffer [P + 1] (the last byte for the flag)."""
-        buffer = np.empty(self.part + 1, np.uint8)
-        buffer[:-1] = self.stored()
-        return buffer
+        return np.array(self.stored())
 
-    def upload_mine(self, ops, copies):
-        """This rank's part copied into a device send buffer [P + 1] through the copy engine (pinned host part;
-        a disk part through pinned staging), usable by the collective issued next."""
-        buffer = ops.zeros(self.part + 1, np.uint8)
-        copies.upload_into(buffer[:-1], self.stored(), pinned=self.host is not None).arrays()
-        return buffer
+    def upload_mine(self, copies):
+        """Start copying this rank's part into a new device send buffer [P + 1] through the copy engine (pinned
+        host part; a disk part through pinned staging); any thread. The Upload's arrays()[0] is the buffer, usable
+        by the compute (and the collective) issued after that call."""
+        return copies.upload([self.stored()], pinned=self.host is not None)
 
     def gather(self, buffer, working: bool) -> tuple[bool, list]:
         """All-gather the parts: (whether any member is still working, the layer's arrays as views of the

@@ -11,7 +11,15 @@ Partitioned fetch (ZeRO-Inference with several ranks per node, `[offload] partit
 fetch group (same stage and tp rank, one node) each keep 1/N of every streamed layer's bytes in their own host
 store or file, and a fetch is a collective round: every rank reads its part and an all-gather assembles the layer
 on all of them (partition.py). Rounds go in the cyclic layer order on one thread, so every member makes the same
-rounds; a rank whose work ends keeps joining rounds in `close()` until every member has ended.
+rounds; a rank whose work ends keeps joining rounds in `close()` until every member has ended. Where the rounds run:
+- gathered in host memory (an MPI group): on the one prefetch thread when MPI allows calls from several threads
+  (a round reads the part and all-gathers it, `prefetch_layers` ahead), else on the main thread, unprefetched;
+- gathered on the device (an NCCL group): the uploads of this rank's parts are prefetched like any layer's (not
+  collective: any thread, any order), and the all-gather runs on the main thread when the layer is needed, in
+  program order on the compute stream like every other collective. So the slow link (host or disk -> device)
+  overlaps the compute, and the fast one (the GPUs' all-gather) takes its turn in the stream: an all-gather on a
+  second stream could meet the main thread's tp or expert collectives in a different order on different GPUs,
+  which NCCL does not guarantee to survive (its kernels wait for their peers).
 """
 
 from __future__ import annotations
@@ -118,15 +126,16 @@ class WeightTiers:
     """The weights of a model's blocks across tiers, with `fetch(i)` / `release(i)` around each use.
 
     fetch_group: a CommGroup of the replicas that share each fetch (partitioned fetch), or None. threads_ok: the
-    fetch group may be used from a prefetch thread (MPI_THREAD_MULTIPLE); if not, rounds run on the main thread
-    and nothing is prefetched. gather_on_device: the fetch group all-gathers device arrays (an NCCL group): each
-    rank copies only its part to the device and the layer is assembled there (else in host memory, then copied)."""
+    fetch group may be used from a prefetch thread (MPI_THREAD_MULTIPLE); if not, and the group gathers in host
+    memory, rounds run on the main thread and nothing is prefetched. gather_on_device: the fetch group all-gathers
+    device arrays (an NCCL group): each rank copies only its part to the device (prefetched) and the layer is
+    assembled there by an all-gather on the main thread (else in host memory, then copied)."""
 
     def __init__(self, ops, blocks: list, tiers: list[str], disk_dir: str | None, prefetch_layers: int = 0,
                  fetch_group=None, threads_ok: bool = True, gather_on_device: bool = False):
         self.group = fetch_group if fetch_group is not None and fetch_group.size > 1 else None
-        self.gather_on_device = gather_on_device
-        if self.group is not None and not threads_ok:
+        self.gather_on_device = self.group is not None and gather_on_device
+        if self.group is not None and not threads_ok and not self.gather_on_device:
             prefetch_layers = 0
         self.ops, self.blocks, self.tiers, self.prefetch_layers = ops, blocks, tiers, prefetch_layers
         self.copies = ops.copy_engine()                   # pinned buffers, a copy stream and events on a GPU
@@ -139,7 +148,8 @@ class WeightTiers:
         self.disk_dir = disk_dir
         self.resident: set = set()
         self.pending: dict = {}                           # layer -> Future of its fetch
-        workers = 1 if self.group is not None else max(1, prefetch_layers)      # rounds keep one order
+        rounds_on_thread = self.group is not None and not self.gather_on_device
+        workers = 1 if rounds_on_thread else max(1, prefetch_layers)             # rounds keep one order
         # CUDA's current device is per host thread: the prefetch threads bind this rank's GPU (ops.use_device)
         self.pool = ThreadPoolExecutor(workers, initializer=ops.use_device) if prefetch_layers else None
         self.lock = threading.Lock()
@@ -201,15 +211,22 @@ class WeightTiers:
         the next (every schedule fetches the layers in this cyclic order; after the last step of a run, the
         wrapped prefetches are dropped by `close`)."""
         if i not in self.resident:
-            future = self.pending.pop(i, None)
-            if future is None and self.group is not None and self.pool is not None:
-                future = self._start(i)                   # rounds go through the one thread, in order
-            self._install(i, (future.result() if future is not None else self._read(i)).arrays())
+            self._install(i, self._take(i))
         if self.pool is None:
             return
         for j in self._ahead(i):
             if j not in self.resident and j not in self.pending:
                 self.pending[j] = self._start(j)
+
+    def _take(self, i: int) -> list:
+        """Layer i's slot values from its prefetch, or read now."""
+        future = self.pending.pop(i, None)
+        if future is None and self.group is not None and not self.gather_on_device and self.pool is not None:
+            future = self._start(i)                       # host rounds go through the one thread, in order
+        fetched = future.result() if future is not None else self._read(i)
+        if self.gather_on_device:                         # the part is (on its way) on the device: the round
+            return self._round(i, working=True, part=fetched)[1]
+        return fetched.arrays()
 
     def _ahead(self, i: int) -> list[int]:
         """The `prefetch_layers` streamed layers that follow layer i in the cyclic fetch order."""
@@ -231,10 +248,14 @@ class WeightTiers:
 
     def _read(self, i: int):
         """Start layer i's copies from its tier into new device arrays (runs on a prefetch thread too): host
-        arrays are pinned and copied as they are, disk arrays are read from their memory map into pinned staging."""
+        arrays are pinned and copied as they are, disk arrays are read from their memory map into pinned staging.
+        With a fetch group: gathered on the device, the upload of this rank's part (the round comes in `_take`);
+        gathered in host memory, the whole round."""
         with self.lock:                                    # the bytes are on the device from now on
             self.device_bytes += self.layer_bytes[i]
             self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+        if self.gather_on_device:
+            return self._upload_part(i)
         if self.group is not None:
             return Ready(self._round(i, working=True)[1])
         slots = range(len(self.kinds[i]))
@@ -245,6 +266,11 @@ class WeightTiers:
         self._count(i, sum(int(a.nbytes) for a in sources))
         return _Fetched(self.kinds[i], self.copies.upload(sources, pinned=self.tiers[i] == "host"))
 
+    def _upload_part(self, i: int):
+        """Start uploading this rank's part of layer i (gathered on the device; any thread)."""
+        self._count(i, self.images[i].part)                # this rank's 1/N of the layer, from host or disk
+        return self.images[i].upload_mine(self.copies)
+
     def _count(self, i: int, nbytes: int) -> None:
         with self.lock:
             if self.tiers[i] == "host":
@@ -252,16 +278,17 @@ class WeightTiers:
             else:
                 self.bytes_from_disk += nbytes
 
-    def _round(self, i: int, working: bool) -> tuple[bool, list]:
-        """One collective fetch round of layer i: (whether any member is still working, the slot values)."""
+    def _round(self, i: int, working: bool, part=None) -> tuple[bool, list]:
+        """One collective fetch round of layer i: (whether any member is still working, the slot values). part:
+        gathered on the device, the Upload of this rank's part (made now if None)."""
         expected = self.streamed[self.cursor]
         assert i == expected, f"partitioned fetch out of order: layer {i}, the round is for layer {expected}"
         self.cursor = (self.cursor + 1) % len(self.streamed)
         image = self.images[i]
-        self._count(i, image.part)                         # this rank's 1/N of the layer, from host or disk
         if self.gather_on_device:                          # host -> device: only this rank's part
-            mine = image.upload_mine(self.ops, self.copies)
+            mine = (part if part is not None else self._upload_part(i)).arrays()[0]
         else:
+            self._count(i, image.part)                     # this rank's 1/N of the layer, from host or disk
             mine = image.read_mine()
         anyone, arrays = image.gather(mine, working)       # comm: the all-gather assembles the layer
         if not self.gather_on_device:                      # host -> device: the whole layer
@@ -279,15 +306,24 @@ class WeightTiers:
         if self.closed:
             return
         self.closed = True
+        parts = {}                                        # gathered on the device: prefetched parts, for the rounds
         for i, future in list(self.pending.items()):
-            future.result()
+            future.result()                               # a host round in flight moves the cursor: wait for it
+            parts[i] = future
             with self.lock:
                 self.device_bytes -= self.layer_bytes[i]
         self.pending.clear()
         while self.group is not None and self.streamed:
             i = self.streamed[self.cursor]
-            anyone, _ = (self.pool.submit(self._round, i, False).result() if self.pool is not None else
-                         self._round(i, False))
+            if self.gather_on_device:                     # this rank's parts still go ahead of the rounds
+                for j in self._ahead(i) if self.pool is not None else ():
+                    parts.setdefault(j, self.pool.submit(self._upload_part, j))
+                part = parts.pop(i, None)
+                anyone, _ = self._round(i, False, part.result() if part is not None else None)
+            elif self.pool is not None:
+                anyone, _ = self.pool.submit(self._round, i, False).result()
+            else:
+                anyone, _ = self._round(i, False)
             if not anyone:
                 break
         if self.pool is not None:
