@@ -1,7 +1,8 @@
 """Offload benchmark: SmolLM2 (float32) with its weights streamed from host memory, then from disk, under a device
 budget several times smaller than the model; FlexGen's zig-zag block schedule against ZeRO-Inference's row-by-row
-schedule, prefetch on and off, CPU attention on and off (FlexGen Table 4's ablations), and the policy that
-`hpcinfer.offload.lp.search_policy` recommends for this machine. See bench/README.md ("Offload").
+schedule, prefetch on and off, CPU attention on and off, and the policy that `hpcinfer.offload.lp.search_policy`
+recommends for this machine with FlexGen Table 4's ablations of it (no overlap, no CPU attention, row-by-row).
+What runs: bench/offload_setups.py; the report: bench/offload_report.py. See bench/README.md ("Offload").
 
     python -m bench.offload --checkpoint models/smollm2.h5 --out bench/results
     python -m bench.offload --backend cupy --checkpoint models/smollm2.h5 --out bench/results    # on GPU 0
@@ -29,12 +30,13 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from bench import offload_gpu
+from bench.offload_report import kv_ratios, markdown, quant_ratios, ratios
+from bench.offload_setups import Setup, kv_setups, plan_ablations, quant_setups, setups
 from hpcinfer.bench.common import (REPO, CpuMeter, device_info, git_commit, machine_info, make_prompts, sync_device,
                                    usable_cores, wait_quiet)
 from hpcinfer.offload import profile_gpu
@@ -45,88 +47,6 @@ MB = 1e6
 
 def log(msg: str) -> None:
     print(f"[bench.offload {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ---- what is compared ------------------------------------------------------------------------------------------
-
-@dataclass
-class Setup:
-    name: str
-    group: str                   # "host" | "disk" | "cache" | "policy" | "reference"
-    role: str                    # what the row stands for, in the table
-    keys: dict = field(default_factory=dict)     # [offload] keys (disk_dir and budgets are added)
-    budget: bool = True          # run under the device budget (the reference does not)
-    threads: int = 0             # BLAS threads; 0 = --threads (default: every usable CPU, as `hpcinfer run`)
-    quantize: str = "none"       # [model] quantize: the weights (and what the tiers move) int8 / int4
-    kv_cache: str = "none"       # [model] kv_cache: the KV cache (and what the zig-zag moves) int8 / int4
-
-
-def setups(args) -> list[Setup]:
-    b, k = args.batch // args.gpu_batches, args.gpu_batches
-    host = dict(weights_gpu=0, weights_cpu=100)
-    disk = dict(weights_gpu=0, weights_cpu=0)
-    zz = dict(schedule="zigzag", gpu_batch_size=b, num_gpu_batches=k)
-    row = dict(schedule="row", gpu_batch_size=b, num_gpu_batches=k)
-    cache_host = dict(cache_gpu=0, cache_cpu=100)
-    return [
-        Setup("all on device", "reference", "no offload: the ideal, above the budget", {}, budget=False),
-        Setup("host: zig-zag", "host", f"FlexGen block schedule, {k} GPU batches of {b}, prefetch 1",
-              {**host, **zz, "prefetch_layers": 1}),
-        Setup("host: row", "host", f"ZeRO-Inference row by row, {k} GPU batches of {b}, prefetch 1",
-              {**host, **row, "prefetch_layers": 1}),
-        Setup("host: zig-zag, no overlap", "host", "prefetch_layers = 0: every read waits",
-              {**host, **zz, "prefetch_layers": 0}),
-        Setup("host: zig-zag, BLAS threads - 1", "host", f"prefetch 1, {max(1, args.threads - 1)} BLAS thread(s): "
-              "a core left to the prefetch thread", {**host, **zz, "prefetch_layers": 1},
-              threads=max(1, args.threads - 1)),
-        Setup("host: row, whole batch", "host", f"row, 1 GPU batch of {args.batch} (needs {k}x the activation "
-              "memory)", {**host, "schedule": "row", "num_gpu_batches": 1, "prefetch_layers": 1}),
-        Setup("disk: zig-zag", "disk", f"FlexGen block schedule, {k} GPU batches of {b}, prefetch 1",
-              {**disk, **zz, "prefetch_layers": 1}),
-        Setup("disk: row", "disk", f"ZeRO-Inference row by row, {k} GPU batches of {b}, prefetch 1",
-              {**disk, **row, "prefetch_layers": 1}),
-        Setup("disk: zig-zag, no overlap", "disk", "prefetch_layers = 0", {**disk, **zz, "prefetch_layers": 0}),
-        Setup("cache host: zig-zag", "cache", "weights and KV cache in host memory, cpu_attention off",
-              {**host, **zz, **cache_host, "prefetch_layers": 1, "cpu_attention": False}),
-        Setup("cache host: zig-zag, cpu_attention", "cache", "the same, cpu_attention on",
-              {**host, **zz, **cache_host, "prefetch_layers": 1, "cpu_attention": True}),
-    ]
-
-
-def quant_setups(args) -> list[Setup]:
-    """--quant: float32, int8 and int4 weights (`[model] quantize`), each all on the device (its reference) and
-    streamed from host memory and from disk with the zig-zag schedule, prefetch 1."""
-    b, k = args.batch // args.gpu_batches, args.gpu_batches
-    zz = dict(schedule="zigzag", gpu_batch_size=b, num_gpu_batches=k, prefetch_layers=1)
-    out = []
-    for mode in ("none", "int8", "int4"):
-        label = "float32" if mode == "none" else mode
-        out += [Setup(f"{label}: all on device", "reference", f"{label} weights, no offload", {}, budget=False,
-                      quantize=mode),
-                Setup(f"{label}: host zig-zag", label, f"{label} weights in host memory, {k} GPU batches of {b}",
-                      {"weights_gpu": 0, "weights_cpu": 100, **zz}, quantize=mode),
-                Setup(f"{label}: disk zig-zag", label, f"{label} weights on disk, {k} GPU batches of {b}",
-                      {"weights_gpu": 0, "weights_cpu": 0, **zz}, quantize=mode)]
-    return out
-
-
-def kv_setups(args) -> list[Setup]:
-    """--kv-quant: float32, int8 and int4 KV caches (`[model] kv_cache`), each on the device (its reference, with
-    the same GPU batches: a quantized cache turns the float rounding differences of another batching into other
-    tokens, so only the same arithmetic may be held to equal tokens) and in host memory with the zig-zag schedule (weights in host memory too, prefetch 1, no CPU attention): every
-    host-resident GPU batch's cache passes through the device staging cache, quantized."""
-    b, k = args.batch // args.gpu_batches, args.gpu_batches
-    zz = dict(schedule="zigzag", gpu_batch_size=b, num_gpu_batches=k, prefetch_layers=1)
-    out = []
-    for mode in ("none", "int8", "int4"):
-        label = "float32" if mode == "none" else mode
-        out += [Setup(f"KV {label}: zig-zag on device", "reference", f"{label} KV cache and the weights on the "
-                      f"device, the same {k} GPU batches of {b}", zz, budget=False, kv_cache=mode),
-                Setup(f"KV {label}: cache host zig-zag", f"kv-{label}", f"{label} KV cache and the weights in "
-                      f"host memory, {k} GPU batches of {b}", {"weights_gpu": 0, "weights_cpu": 100, "cache_gpu": 0,
-                                                              "cache_cpu": 100, "cpu_attention": False, **zz},
-                      kv_cache=mode)]
-    return out
 
 
 # ---- bandwidths --------------------------------------------------------------------------------------------------
@@ -342,129 +262,6 @@ def fit_runtime_budget(args, keys: dict, work: Path) -> tuple[dict, float]:
             moved += cut
 
 
-# ---- report ------------------------------------------------------------------------------------------------------
-
-def _gb(n) -> str:
-    return f"{n / 1e9:.2f}"
-
-
-def markdown(result: dict) -> str:
-    s, bw = result["settings"], result["bandwidth"]
-    gpu = offload_gpu.describe(result["device"], bw) if s.get("backend") == "cupy" else None
-    where = gpu["where"] if gpu else "NumPy backend, one process"
-    lines = [f"# Offload benchmark, {result['date']}", "",
-             f"SmolLM2-135M {'float32, int8 and int4 (`[model] quantize`, group 64)' if s.get('quant') else 'float32'}"
-             f" ({s['model_bytes'] / MB:.0f} MB of float32 weights, {s['layers']} layers of "
-             f"{s['layer_bytes'] / MB:.1f} MB), batch {s['batch']} x {s['prompt_len']} prompt tokens, "
-             f"{s['new_tokens']} generated tokens each, greedy; device budget {s['device_memory'] / MB:.0f} MB "
-             f"(the model is {s['model_bytes'] / s['device_memory']:.1f}x the budget). {where}, "
-             f"{result['machine']['cpus_usable']} CPUs ({result['machine']['cpu_model']}).", "",
-             f"Measured tier bandwidths: host read {bw['host_read'] / 1e9:.2f} GB/s (memcpy "
-             f"{bw['memcpy'] / 1e9:.2f}), disk read warm {bw['disk_read_warm'] / 1e9:.2f} GB/s, cold "
-             f"{bw['disk_read_cold'] / 1e9:.2f} GB/s." + (f" {gpu['links']}" if gpu else ""), "",
-             "Each row is the fastest of its whole runs (every run's time and the CPUs other processes used "
-             "meanwhile are in the JSON: `samples_s`, `samples_other_cpus`)." + _load_note(result["runs"]), "",
-             "| run | what | tokens/s | run s (prefill + decode) | weights GB from host / disk | KV GB moved | "
-             "transfer floor s | floor / run | peak device weights MB | plan device MB | runs (s) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in result["runs"]:
-        plan = f"{r['plan_device_bytes'] / MB:.0f}" if r["plan_device_bytes"] else "-"
-        lines.append(
-            f"| {r['name']} | {r['role']} | {r['tokens_per_s']:.2f} | {r['run_s']:.1f} ({r['prefill_s']:.1f} + "
-            f"{r['decode_s']:.1f}) | {_gb(r['weights_bytes_from_host'])} / {_gb(r['weights_bytes_from_disk'])} | "
-            f"{_gb(r['kv_bytes_to_device'] + r['kv_bytes_to_host'])} | {r['floor_s']:.2f} | "
-            f"{r['floor_fraction']:.0%} | {r['weights_peak_device_bytes'] / MB:.0f} | {plan} | "
-            f"{', '.join(f'{x:.1f}' for x in r['samples_s'])} |")
-    lines += ["", "Ratios (throughput, same run):", ""]
-    for key, value in result["ratios"].items():
-        lines.append(f"- {key}: {value:.2f}" if isinstance(value, float) else f"- {key}: {value}")
-    lines += ["", f"Policy search: {result['policy_search']}", "",
-              f"Checks: {result['checks']}", ""]
-    lines += [(gpu["note"] if gpu else
-               "Notes: on the NumPy backend the device and the host are the same memory, so a host->device "
-               "transfer is a memcpy and CPU attention saves only that copy; the disk reads come from the page "
-               "cache (the files were just written; the cold figure is the floor if they did not).") +
-              " FlexGen reports 7.32 vs 0.60 tokens/s (12x) for its policy against ZeRO-Inference with OPT-30B on "
-              "a T4, where PCIe, not compute, bounds the run.", ""]
-    if s.get("kv_quant"):
-        lines += ["Quantized KV cache (`[model] kv_cache`, group 64): the zig-zag's host cache and its device "
-                  "staging cache hold the packed values with a float16 scale and minimum per group, and the loads "
-                  "and stores move them as they are, so the KV bytes moved fall by 4 x head_dim / row bytes "
-                  "(3.76x int8, 7.11x int4 at head_dim 64); attention dequantizes the rows it reads.", ""]
-    if s.get("quant"):
-        lines += ["Quantized weights: the tiers move the QuantizedTensors (q, scale, min), so the bytes read from "
-                  "host memory or disk fall by the format's ratio" + (
-                      "; the throughput gain of moving fewer bytes shows where the link is the bottleneck "
-                      "(transfer floor / run)." if gpu else
-                      "; on the NumPy backend each int8 / int4 matmul dequantizes its weight first, so compute, "
-                      "not the transfer, bounds these runs, and the throughput gain of moving fewer bytes shows "
-                      "only where the link is the bottleneck (transfer floor / run)."), ""]
-    return "\n".join(lines)
-
-
-def _load_note(runs: list) -> str:
-    """The other processes' CPU use during the runs, when it was large enough to matter."""
-    other = [x for r in runs for x in r.get("samples_other_cpus") or [] if x is not None]
-    if not other or max(other) < 0.5:
-        return ""
-    return (f" Other processes used {min(other):.2f} to {max(other):.2f} CPUs during the runs: the times, and "
-            "the throughput ratios, carry that noise; the bytes moved do not.")
-
-
-def ratios(runs: dict) -> dict:
-    def r(a, b):
-        return runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"] if a in runs and b in runs else None
-
-    out = {
-        "host: zig-zag / row (FlexGen vs ZeRO-Inference, same GPU batches)": r("host: zig-zag", "host: row"),
-        "disk: zig-zag / row": r("disk: zig-zag", "disk: row"),
-        "host: zig-zag / no overlap (prefetch 1 vs 0)": r("host: zig-zag", "host: zig-zag, no overlap"),
-        "host: zig-zag, BLAS threads - 1 / no overlap": r("host: zig-zag, BLAS threads - 1",
-                                                           "host: zig-zag, no overlap"),
-        "disk: zig-zag / no overlap": r("disk: zig-zag", "disk: zig-zag, no overlap"),
-        "host: zig-zag / row, whole batch": r("host: zig-zag", "host: row, whole batch"),
-        "cache host: cpu_attention on / off": r("cache host: zig-zag, cpu_attention", "cache host: zig-zag"),
-        "host: zig-zag / all on device": r("host: zig-zag", "all on device"),
-        "plan: search_policy / host: row": r("plan: search_policy", "host: row"),
-        "plan: search_policy / host: zig-zag": r("plan: search_policy", "host: zig-zag"),
-    }
-    zz, row = runs.get("host: zig-zag"), runs.get("host: row")
-    if zz and row:
-        out["weight bytes, row / zig-zag"] = row["weights_bytes_from_host"] / zz["weights_bytes_from_host"]
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def quant_ratios(runs: dict) -> dict:
-    """--quant: weight bytes moved and throughput of int8 / int4 against float32, per tier."""
-    out = {}
-    for tier, key in (("host", "weights_bytes_from_host"), ("disk", "weights_bytes_from_disk")):
-        base = runs.get(f"float32: {tier} zig-zag")
-        for mode in ("int8", "int4"):
-            run = runs.get(f"{mode}: {tier} zig-zag")
-            if base and run and run[key]:
-                out[f"{tier}: float32 / {mode} weight bytes moved"] = base[key] / run[key]
-                out[f"{tier}: {mode} / float32 tokens/s"] = run["tokens_per_s"] / base["tokens_per_s"]
-    for mode in ("float32", "int8", "int4"):
-        ref, run = runs.get(f"{mode}: all on device"), runs.get(f"{mode}: host zig-zag")
-        if ref and run:
-            out[f"{mode}: host zig-zag / all on device tokens/s"] = run["tokens_per_s"] / ref["tokens_per_s"]
-    return out
-
-
-def kv_ratios(runs: dict) -> dict:
-    """--kv-quant: KV bytes moved and throughput of int8 / int4 caches against float32 (zig-zag, cache on host)."""
-    out = {}
-    base = runs.get("KV float32: cache host zig-zag")
-    for mode in ("int8", "int4"):
-        run = runs.get(f"KV {mode}: cache host zig-zag")
-        if base and run and run["kv_bytes_to_device"]:
-            moved = (base["kv_bytes_to_device"] + base["kv_bytes_to_host"]) / (run["kv_bytes_to_device"] +
-                                                                                run["kv_bytes_to_host"])
-            out[f"float32 / {mode} KV bytes moved"] = moved
-            out[f"{mode} / float32 tokens/s"] = run["tokens_per_s"] / base["tokens_per_s"]
-    return out
-
-
 # ---- main --------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -566,7 +363,7 @@ def plan_setups(args, arch, budget: int, work_root: Path, bw: dict) -> tuple[lis
         setup, details = recommended(args, arch, args.prompt_len, budget, work_root, bw)
         policy_search = details
         if setup is not None:
-            todo.append(setup)
+            todo += [setup, *plan_ablations(setup)]
     if args.only:
         groups = set(args.only.split(","))
         todo = [s for s in todo if s.group in groups]

@@ -1,0 +1,43 @@
+"""bench/offload_setups.py's Table 4 ablations of the LP's policy and bench/offload_report.py's ratios against them
+(the benchmark's whole path runs in tests/test_bench_offload.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.offload_report import ratios
+from bench.offload_setups import Setup, plan_ablations
+
+PLAN = dict(schedule="zigzag", gpu_batch_size=4, num_gpu_batches=2, weights_gpu=31, weights_cpu=69, cache_gpu=0,
+            cache_cpu=100, act_gpu=100, act_cpu=0, cpu_attention=True, prefetch_layers=1)
+
+
+def test_each_ablation_removes_one_thing_from_the_plan():
+    plan = Setup("plan: search_policy", "policy", "the LP's policy", PLAN)
+    got = {s.name: s.keys for s in plan_ablations(plan)}
+    assert set(got) == {"plan: no overlap", "plan: no CPU attention"}     # row: its KV cache is on the host
+    for name, key, value in (("plan: no overlap", "prefetch_layers", 0),
+                             ("plan: no CPU attention", "cpu_attention", False)):
+        assert got[name] == {**PLAN, key: value}
+    assert plan.keys == PLAN                                             # the plan itself is untouched
+
+
+@pytest.mark.parametrize("cache_gpu, cpu_attention, row", [(100, False, True), (0, False, False),
+                                                           (100, True, False)])
+def test_the_row_ablation_only_where_the_runtime_allows_row(cache_gpu, cpu_attention, row):
+    keys = {**PLAN, "cache_gpu": cache_gpu, "cache_cpu": 100 - cache_gpu, "cpu_attention": cpu_attention}
+    names = {s.name: s.keys for s in plan_ablations(Setup("plan: search_policy", "policy", "", keys))}
+    assert ("plan: row schedule" in names) == row
+    if row:
+        assert names["plan: row schedule"] == {**keys, "schedule": "row"}
+
+
+def test_the_plan_is_compared_with_the_best_row_run():
+    runs = {name: {"name": name, "tokens_per_s": tps, "weights_bytes_from_host": 1}
+            for name, tps in (("plan: search_policy", 50.0), ("host: row", 10.0), ("host: row, whole batch", 40.0),
+                              ("plan: no overlap", 25.0))}
+    got = ratios(runs)
+    assert got["plan: search_policy / best row-by-row (host: row, whole batch)"] == pytest.approx(50 / 40)
+    assert got["plan: search_policy / host: row"] == pytest.approx(5.0)
+    assert got["plan: search_policy / plan: no overlap"] == pytest.approx(2.0)
+    assert "plan: search_policy / plan: no CPU attention" not in got                   # not run: no ratio
