@@ -268,8 +268,8 @@ def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: f
                                        metrics["generate_s"], job.quant_of)
         if report is not None:
             metrics["offload"].update(report)
-            print(f"hpcinfer: offload: measured {report['measured_s']:.2f} s, cost model predicted "
-                  f"{report['predicted_s']:.2f} s on profile {report['profile']}", flush=True)
+            print(f"hpcinfer: offload: measured {report['measured_s']:.3g} s, cost model predicted "
+                  f"{report['predicted_s']:.3g} s on profile {report['profile']}", flush=True)
     resumed = f" ({len(job.skip)} of them done by an earlier run)" if job.skip else ""
     print(f"hpcinfer: {metrics['generated_tokens']} tokens generated for {len(records)} prompts{resumed} in "
           f"{metrics['generate_s']:.2f} s ({metrics['tokens_per_s']:.1f} tokens/s); results in "

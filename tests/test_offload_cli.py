@@ -28,7 +28,7 @@ from hf_models import save_tiny_model
 from hpcinfer.api import generate, load_model  # noqa: E402
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
 from hpcinfer.config import load_config  # noqa: E402
-from hpcinfer.offload.budget import plan_bytes  # noqa: E402
+from hpcinfer.offload.budget import plan_bytes, predicted_vs_measured  # noqa: E402
 from hpcinfer.parallel.stages import partition_layers  # noqa: E402
 
 VOCAB, LAYERS = 256, 4
@@ -202,6 +202,54 @@ def test_zigzag_moves_fewer_weight_bytes_than_row_by_row(job, reference, tmp_pat
         moved[schedule] = metrics_of(out)["offload"]["weights_bytes_from_host"]
     # EOS ends sequences at different steps, so row is below 4x; it is still far above zig-zag.
     assert 2 * moved["zigzag"] <= moved["row"] <= 4 * moved["zigzag"], moved
+
+
+def test_the_host_budget_can_be_below_the_model_when_the_rest_is_on_disk(job, reference, tmp_path):
+    """Weights mostly on disk (1 of 4 layers in host memory) under a host_memory budget below the model's weight
+    bytes: the run passes the budget check, reads the disk tier from its per-layer files and writes the plain
+    run's output; a host budget just below what the plan keeps in host memory is refused."""
+    disk = tmp_path / "disk"
+    placement = ["offload.weights_gpu=0", "offload.weights_cpu=25", f"offload.disk_dir={disk}"]
+    with h5py.File(job.ckpt, "r") as f:
+        model_bytes = sum(d.nbytes for d in datasets_of(f))
+    on_host = int(job.plan(*placement)["host"])
+    budget = model_bytes // 2
+    assert 0 < on_host < budget < model_bytes, (on_host, model_bytes)
+    done = job.run(tmp_path / "out", *placement, f"offload.host_memory={budget}")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "output.jsonl").read_text() == (reference / "output.jsonl").read_text()
+    metrics = metrics_of(tmp_path / "out")
+    assert metrics["config"]["offload"]["host_memory"] == budget
+    assert metrics["offload"]["weights_bytes_from_disk"] > 0 and metrics["offload"]["weights_bytes_from_host"] > 0
+    files = list((disk / "rank00000").glob("*.npy"))
+    assert files and sum(f.stat().st_size for f in files) > on_host           # 3 layers on disk, 1 in host memory
+    refused = job.run(tmp_path / "small", *placement, f"offload.host_memory={on_host - 1}", timeout=BAD_TIMEOUT)
+    assert_fails_once_and_clearly(refused, tmp_path / "small", [f"host_memory = {on_host - 1:,} bytes"])
+
+
+def datasets_of(group) -> list:
+    """Every dataset under an h5py group."""
+    found = []
+    group.visititems(lambda _, obj: found.append(obj) if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+def test_a_profile_reports_the_cost_models_prediction_beside_the_measured_time(job, reference, tmp_path):
+    """[offload] profile: the metrics' offload section holds the cost model's predicted time for this run's policy
+    (budget.predicted_vs_measured over its 2 blocks of 4 prompts), the measured generate time and their ratio."""
+    done = job.run(tmp_path / "out", *HOST, 'offload.profile="t4-16gb"')
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "output.jsonl").read_text() == (reference / "output.jsonl").read_text()
+    metrics = metrics_of(tmp_path / "out")
+    off = metrics["offload"]
+    assert off["profile"] == "t4-16gb" and off["predicted_s"] > 0 and off["measured_s"] > 0, off
+    assert off["measured_s"] == metrics["generate_s"]
+    assert off["measured_over_predicted"] == off["measured_s"] / off["predicted_s"]
+    config = load_config(str(job.config), [*HOST, 'offload.profile="t4-16gb"'])
+    blocks = len(PROMPT_LENGTHS) // BATCH
+    again = predicted_vs_measured(job.arch, config, list(PROMPT_LENGTHS), blocks, off["measured_s"])
+    assert off["predicted_s"] == pytest.approx(again["predicted_s"], rel=1e-12)
+    assert "cost model predicted" in done.stdout and "t4-16gb" in done.stdout
 
 
 # ------------------------------------------------------------------------------------------------------- MoE

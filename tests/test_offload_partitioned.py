@@ -1,7 +1,7 @@
 """Partitioned fetch (`[offload] partitioned_fetch`, offload/partition.py) under MPI, every rank one data-parallel
 replica of the tiny-dense preset on one node (runtime._fetch_group groups them all).
 
-What must hold, at every world size N the suite runs (2 and 4):
+What must hold, at every world size N the suite runs (2 and 4; at 4 also tp = 2 x dp = 2, below):
 - each rank generates exactly the tokens of its own run without offload, although the ranks run different prompts
   for different numbers of steps (a rank that ends first keeps joining fetch rounds until the others end);
 - each rank keeps only its 1/N part of a streamed layer (host store or file) and reads only that part per round;
@@ -45,9 +45,10 @@ def source(quantize: str = "none") -> PresetSource:
     return src
 
 
-def build(src, off=None, mesh=None) -> Decoder:
+def build(src, off=None, mesh=None, groups=None) -> Decoder:
+    """The model on this rank (groups: its tp group for a tensor-parallel mesh; none: the whole model)."""
     ops = NumpyOps()
-    model = Decoder(ops, Groups(), src.arch, "float32")
+    model = Decoder(ops, groups or Groups(), src.arch, "float32")
     if off is not None:
         model.weights = _weight_tiers(types.SimpleNamespace(offload=off), model, ops, mesh.world.rank, mesh)
     model.load(src, after_block=model.weights.place if model.weights is not None else None)
@@ -121,3 +122,43 @@ def test_partitioned_fetch_gives_each_replica_its_own_tokens_reading_1_over_n(na
     own += min(off.prefetch_layers, len(streamed) - 1)
     assert len(rounds) == max(comm.allgather(own)) + 1
     assert tiers.device_bytes == tiers.layer_bytes[0] * tiers.tiers.count("device")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_tensor_parallel_ranks_fetch_with_the_replicas_of_their_own_tp_rank(tmp_path, monkeypatch):
+    """tp = 2 x dp = 2 on one node, weights in host memory and on disk: each tp rank shares its shard's fetch with
+    the other replicas' ranks of the same tp rank only (never with its tp partner, whose shard is another), keeps
+    1/dp of its shard, and the tokens are those of the same tp = 2 mesh without offload."""
+    comm = world()
+    rank, tp = comm.Get_rank(), 2
+    if comm.Get_size() != 4:
+        pytest.skip("the tp = 2 x dp = 2 mesh needs exactly 4 ranks")
+    mesh = build_mesh(comm, tp, 1, comm.Get_size())                    # pp = 1, dp = 2, one node
+    pp_i, dp_i, tp_i = mesh.coords
+    groups = Groups(tp=mesh.tp)
+    src = source()
+    prompts, params = work_of(dp_i)                                    # both tp ranks of a replica: the same work
+    reference = generate(build(src, groups=groups), prompts, params)
+    disk = comm.bcast(str(tmp_path / "disk") if rank == 0 else None)
+    off = OffloadSection(weights_gpu=0, weights_cpu=50, prefetch_layers=1, disk_dir=disk, partitioned_fetch=True)
+
+    rounds = []
+    gather = partition.LayerImage.gather
+    monkeypatch.setattr(partition.LayerImage, "gather",
+                        lambda self, buffer, working: rounds.append(self.part) or gather(self, buffer, working))
+    model = build(src, off, mesh, groups)
+    tiers = model.weights
+    coords = comm.allgather(mesh.coords)
+    same_tp = [r for r, (p, _, t) in enumerate(coords) if (p, t) == (pp_i, tp_i)]
+    assert sorted(tiers.group.comm.allgather(rank)) == same_tp and len(same_tp) == mesh.shape.dp
+    assert set(tiers.tiers) == {"host", "disk"} and sorted(tiers.images) == list(range(len(tiers.tiers)))
+    for i, image in tiers.images.items():                             # 1/dp of this rank's tp shard
+        assert image.part * mesh.shape.dp >= tiers.layer_bytes[i]
+        assert image.part <= tiers.layer_bytes[i] / mesh.shape.dp + partition.ALIGN * len(image.specs)
+
+    out = generate(model, prompts, params, off)
+    assert out == reference
+    assert tiers.bytes_from_host > 0 and tiers.bytes_from_disk > 0
+    assert tiers.bytes_from_host + tiers.bytes_from_disk == sum(rounds)      # only its part, each round
+    own = params.max_new_tokens * len(tiers.tiers) + min(off.prefetch_layers, len(tiers.tiers) - 1)
+    assert len(rounds) == max(tiers.group.comm.allgather(own)) + 1    # the longer replica's reads, then the end
