@@ -87,12 +87,18 @@ class OffloadSection:
                                                              _percent))
     weights_cpu: float = field(default=0.0, metadata=_meta("percent of layers in host memory (disk: the rest)",
                                                            _percent))
-    cache_gpu: float = field(default=100.0, metadata=_meta("percent of GPU batches whose KV cache is on the device",
-                                                           _percent))
-    cache_cpu: float = field(default=0.0, metadata=_meta("percent of GPU batches whose KV cache is in host memory",
-                                                         _percent))
-    act_gpu: float = field(default=100.0, metadata=_meta("percent of activations on the device", _percent))
-    act_cpu: float = field(default=0.0, metadata=_meta("percent of activations in host memory", _percent))
+    cache_gpu: float = field(default=100.0, metadata=_meta(
+        "percent of every GPU batch's KV cache on the device, at tensor granularity: of each layer's N x Hkv "
+        "rows (sequence, KV head), the nearest whole number of rows", _percent))
+    cache_cpu: float = field(default=0.0, metadata=_meta(
+        "percent of every GPU batch's KV cache rows in host memory; cache_gpu + cache_cpu = 100 (no disk tier "
+        "for the cache)", _percent))
+    act_gpu: float = field(default=100.0, metadata=_meta(
+        "percent of activations on the device; must be 100: activations stay on the device in this runtime "
+        "(the planner's variable)", _percent))
+    act_cpu: float = field(default=0.0, metadata=_meta(
+        "percent of activations in host memory; must be 0 (activations stay on the device in this runtime)",
+        _percent))
     device_memory: int | str = field(default=0, metadata=_meta("device byte budget per rank; 0 = unlimited",
                                                                lambda v: _bytes_check(v)))
     host_memory: int | str = field(default=0, metadata=_meta("host byte budget per rank; 0 = unlimited",
@@ -355,9 +361,20 @@ def _check_cuda_graphs(path: str, config) -> None:
 def _check_offload(path: str, config) -> None:
     off = config.offload
     for a, b in (("weights_gpu", "weights_cpu"), ("cache_gpu", "cache_cpu"), ("act_gpu", "act_cpu")):
-        if getattr(off, a) + getattr(off, b) > 100:
+        if getattr(off, a) + getattr(off, b) > 100 + 1e-6:
             raise ConfigError(f"{path}: offload.{a} + offload.{b} = {getattr(off, a) + getattr(off, b)} is above "
                               f"100 (percent)")
+    if abs(off.cache_gpu + off.cache_cpu - 100) > 1e-6:
+        raise ConfigError(f"{path}: offload.cache_gpu + offload.cache_cpu = {off.cache_gpu + off.cache_cpu:g} must "
+                          f"be 100: the KV cache has no disk tier in this runtime (rows on the device, the rest in "
+                          f"host memory)")
+    if off.act_gpu != 100:
+        raise ConfigError(f"{path}: offload.act_gpu = {off.act_gpu:g} (act_cpu = {off.act_cpu:g}): activations stay "
+                          f"on the device in this runtime; set act_gpu = 100, act_cpu = 0")
+    if off.cpu_attention and 0 < off.cache_gpu < 100:
+        raise ConfigError(f"{path}: offload.cpu_attention = true with offload.cache_gpu = {off.cache_gpu:g}: CPU "
+                          f"attention needs the whole KV cache in host memory (cache_gpu = 0, cache_cpu = 100); "
+                          f"set cpu_attention = false to split the cache between the tiers")
     if off.weights_gpu + off.weights_cpu < 100 and off.disk_dir is None:
         raise ConfigError(f"{path}: offload.weights_gpu + weights_cpu < 100 puts weights on disk: set "
                           f"offload.disk_dir")

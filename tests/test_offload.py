@@ -183,8 +183,8 @@ PLACEMENTS = {
                                      schedule="zigzag", num_gpu_batches=2, cpu_attention=True),
     "cache-half-host": dict(weights_gpu=25, weights_cpu=25, cache_gpu=50, cache_cpu=50, schedule="zigzag",
                             num_gpu_batches=4),
-    "cache-half-host-cpu-attention": dict(weights_gpu=25, weights_cpu=25, cache_gpu=50, cache_cpu=50,
-                                          schedule="zigzag", num_gpu_batches=4, cpu_attention=True),
+    "cache-third-on-device": dict(weights_gpu=25, weights_cpu=25, cache_gpu=33, cache_cpu=67, schedule="zigzag",
+                                  num_gpu_batches=3),
     "gpu-batch-size-given": dict(weights_gpu=0, weights_cpu=100, schedule="zigzag", gpu_batch_size=2,
                                  num_gpu_batches=4),
 }
@@ -550,14 +550,20 @@ def test_a_host_resident_kv_cache_does_not_occupy_the_device(prompts, dense_refe
         assert times.kv_bytes_to_device > 0 and times.kv_bytes_to_host > 0
 
 
-def test_half_the_gpu_batches_keep_their_cache_on_the_device(prompts, dense_reference, tmp_path, monkeypatch):
+def test_half_of_every_gpu_batchs_cache_rows_stay_on_the_device(prompts, dense_reference, tmp_path, monkeypatch):
+    """cache_gpu = 50 is half of every GPU batch's (sequence, KV head) rows on the device, the other half in host
+    memory (tensor granularity): every batch passes through the staging buffers, and half its rows move."""
     off = offload(tmp_path, weights_gpu=0, weights_cpu=100, cache_gpu=50, cache_cpu=50, schedule="zigzag",
                   num_gpu_batches=4)
     model = build(preset("tiny-dense"), off)
     device = device_caches(monkeypatch, [model.ops])
+    made = host_kvs(monkeypatch)
     out, times = generate(model, prompts, off)
     assert out == dense_reference
-    assert len(device) == 4                                  # batches 0 and 1, and the 2 staging buffers of 2 and 3
+    (host_kv,) = made
+    assert sorted(host_kv.host) == sorted(host_kv.device) == [0, 1, 2, 3]
+    assert all(host_kv.host[b].nbytes == host_kv.device[b].nbytes for b in range(4))   # half and half
+    assert len(device) == 6                                  # the device rows of batches 0..3, 2 staging buffers
     assert times.kv_peak_device_bytes == sum(device)
 
 

@@ -112,7 +112,7 @@ def test_zigzag_gives_the_row_schedules_tokens_with_a_quantized_cache(prompts, r
     assert out == row_reference[mode]
     (host_kv,) = made
     caches = list(host_kv.host.values()) + host_kv.staging
-    assert len(host_kv.host) == 4 - round(4 * off.cache_gpu / 100)
+    assert len(host_kv.host) == (4 if off.cache_gpu < 100 else 0)       # tensor granularity: every batch
     assert all(isinstance(a, QuantizedKV) and a.fmt.mode == mode for c in caches for a in c.k + c.v)
     moves = off.cache_gpu < 100 and not off.cpu_attention
     assert (times.kv_bytes_to_device > 0) == moves and (times.kv_bytes_to_host > 0) == moves

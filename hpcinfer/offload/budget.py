@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ..config import parse_bytes
 from ..errors import ConfigError
 from ..generate.schedule import micro_batches
@@ -15,6 +17,12 @@ def itemsize(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+def device_rows(rows: int, cache_gpu: float) -> int:
+    """Of a GPU batch's KV rows (N sequences x Hkv local heads), how many stay on the device under `cache_gpu`
+    percent: the nearest whole row, halves up (FlexGen's tensor granularity; offload/zigzag.py holds them so)."""
+    return min(rows, math.floor(rows * cache_gpu / 100 + 0.5))
+
+
 def kv_format_of(config, arch):
     """`[model] kv_cache` / `kv_cache_group` for this model: a quant.kv.KVFormat, or None for a float32 cache."""
     try:
@@ -24,11 +32,12 @@ def kv_format_of(config, arch):
 
 
 def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_share: int = 1) -> dict:
-    """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache (GPU batches
-    with a host-resident cache pass through two device staging buffers of one layer of the largest such batch,
-    loading one while the other computes, unless CPU attention reads them in place),
-    at the bytes of `[model] kv_cache` (offload/sizes.kv_token_bytes: an int4 cache is ~7x smaller than float32).
-    quant_of: which tensors are held quantized (quant.storage.quant_of). fetch_share: the replicas of a
+    """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache at tensor
+    granularity: of each GPU batch's N x Hkv rows (sequence, KV head), device_rows(N Hkv, cache_gpu) on the device
+    and the rest in host memory; when any row is in host memory, two device staging buffers of one layer of the
+    largest such batch (one loading while the other computes), unless CPU attention reads the host cache in
+    place. At the bytes of `[model] kv_cache` (offload/sizes.kv_token_bytes: an int4 cache is ~7x smaller than
+    float32). quant_of: which tensors are held quantized (quant.storage.quant_of). fetch_share: the replicas of a
     partitioned fetch group; each keeps 1/fetch_share of every host and disk layer."""
     off, tp = config.offload, config.parallel.tp
     size = itemsize(config.model.dtype)
@@ -39,16 +48,7 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
     window = (off.prefetch_layers + 1) * max(streamed, default=0)
     tables = table_bytes(arch, stage.is_first, stage.is_last, size, tp, quant_of)
     kept = lambda tier: sum(-(-b // fetch_share) for b, t in zip(per_layer, tiers) if t == tier)
-    batch = config.generate.batch_size
-    max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
-    per_seq_layer = max_len * kv_token_bytes(arch, tp, kv_format_of(config, arch))
-    per_seq = per_seq_layer * len(layers)
-    gpu_batches = micro_batches(batch, off.num_gpu_batches)
-    on_device = round(len(gpu_batches) * off.cache_gpu / 100)
-    kv_device = sum(len(g) for g in gpu_batches[:on_device]) * per_seq
-    kv_host = sum(len(g) for g in gpu_batches[on_device:]) * per_seq
-    staging = 0 if off.cpu_attention or on_device == len(gpu_batches) else \
-        2 * max(len(g) for g in gpu_batches[on_device:]) * per_seq_layer
+    kv_device, kv_host, staging = kv_plan_bytes(arch, config, len(layers), prompt_lengths)
     return {
         "device": sum(b for b, t in zip(per_layer, tiers) if t == "device") + window + tables + kv_device + staging,
         "host": kept("host") + kv_host,
@@ -57,6 +57,20 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
                   "streaming window": window, "embedding tables": tables,
                   "KV cache on the device": kv_device + staging},
     }
+
+
+def kv_plan_bytes(arch, config, num_layers: int, prompt_lengths: list) -> tuple[int, int, int]:
+    """(device rows, host rows, staging buffers) bytes of the KV cache of a block, as offload/zigzag.py holds it."""
+    off, tp = config.offload, config.parallel.tp
+    heads = arch.num_kv_heads // tp
+    max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
+    per_row_layer = max_len * kv_token_bytes(arch, tp, kv_format_of(config, arch)) // heads   # K and V of a row
+    gpu_batches = micro_batches(config.generate.batch_size, off.num_gpu_batches)
+    on_device = [device_rows(len(g) * heads, off.cache_gpu) for g in gpu_batches]
+    host_rows = [len(g) * heads - r for g, r in zip(gpu_batches, on_device)]
+    staged = [len(g) for g, h in zip(gpu_batches, host_rows) if h > 0]
+    staging = 0 if off.cpu_attention or not staged else 2 * max(staged) * heads * per_row_layer
+    return (sum(on_device) * num_layers * per_row_layer, sum(host_rows) * num_layers * per_row_layer, staging)
 
 
 def check_budgets(arch, config, stages, prompt_lengths: list, quant_of=None, fetch_share: int = 1) -> None:
@@ -68,9 +82,11 @@ def check_budgets(arch, config, stages, prompt_lengths: list, quant_of=None, fet
             if budget and plan[tier] > budget:
                 parts = ", ".join(f"{k} {int(v):,}" for k, v in plan["parts"].items()) if tier == "device" else \
                     f"layers and KV cache in host memory {int(plan['host']):,}"
+                advice = "lower weights_gpu / cache_gpu" if tier == "device" else \
+                    "lower weights_cpu (more layers on disk) / cache_cpu (more KV rows on the device)"
                 raise ConfigError(f"{config.path}: [offload] {key} = {budget:,} bytes cannot hold this plan: "
-                                  f"{int(plan[tier]):,} bytes needed on the {tier} ({parts}); lower weights_gpu "
-                                  f"/ cache_gpu, or raise the budget")
+                                  f"{int(plan[tier]):,} bytes needed on the {tier} ({parts}); {advice}, or raise "
+                                  f"{key}")
 
 
 def predicted_vs_measured(arch, config, prompt_lengths: list, blocks: int, measured_s: float,

@@ -5,6 +5,8 @@ k = num_gpu_batches, B = b * k = block size (bls), isz = bytes per element of th
 W = one layer's weight bytes, kv = bytes of one token's K and V in one layer, act = bytes of one token's hidden
 state (D * isz), q = bytes of one token's query (the attention output has the same size).
 Placement fractions (the LP's variables): wg wc wd (weights), cg cc cd (KV cache), hg hc hd (activations).
+The cache fractions are of every GPU batch's (sequence, KV head) rows, as offload/zigzag.py holds them; the
+runtime has no cache disk tier and keeps activations on the device, so lp.py pins cd = hd = hc = 0.
 
 Every cost term is a `Linear` function of the nine fractions, so the same expressions give the prediction for a
 policy (`predict`) and the rows of the linear program (lp.py). Per layer, for the whole block (FlexGen A.3):

@@ -1,5 +1,5 @@
 """FlexGen's policy search (Section 4.3, Eq. 1): enumerate (gpu_batch_size, num_gpu_batches), and for each solve a
-linear program for the nine placement fractions.
+linear program for the nine placement fractions (those the runtime cannot honour pinned: RUNTIME_PINNED).
 
 The LP, for a fixed b = gpu_batch_size, k = num_gpu_batches (and a fixed cpu_attention, tried both ways):
     variables   x = (wg, wc, wd, cg, cc, cd, hg, hc, hd) in [0, 1], T_pre >= 0, T_gen >= 0
@@ -59,9 +59,9 @@ def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_si
     bounds = _bounds(fixed or {})
     choices = (False, True) if cpu_attention is None else (bool(cpu_attention),)
     best, first_error = None, None
-    for cpu in choices:
+    for cpu, cpu_bounds in ((cpu, b) for cpu in choices for b in _cache_bounds(bounds, cpu)):
         problem = _Problem(model.terms(gpu_batch_size, num_gpu_batches, cpu, schedule, prefetch_layers), profile,
-                           bounds)
+                           cpu_bounds)
         x = problem.solve(max_latency)
         if x is None:
             first_error = first_error or problem.diagnose(max_latency, gpu_batch_size, num_gpu_batches)
@@ -120,17 +120,41 @@ FIXABLE = {"weights_gpu": "wg", "weights_cpu": "wc", "weights_disk": "wd", "cach
            "cache_disk": "cd", "act_gpu": "hg", "act_cpu": "hc", "act_disk": "hd"}
 
 
+# What the runtime can hold (offload/zigzag.py): the KV cache on the device and in host memory, no disk share;
+# activations on the device. The LP never places data elsewhere, so a `plan` result runs as printed.
+RUNTIME_PINNED = {"cache_disk": 0.0, "act_gpu": 100.0, "act_cpu": 0.0, "act_disk": 0.0}
+
+
 def _bounds(fixed: dict) -> list:
-    """Bounds of the nine fractions, fixed ones pinned; ValueError naming an unknown key or a bad percentage."""
+    """Bounds of the nine fractions, fixed ones and RUNTIME_PINNED pinned; ValueError naming an unknown key, a bad
+    percentage, or one the runtime cannot honour."""
     bounds = [(0.0, 1.0)] * NV
-    for key, percent in fixed.items():
+    for key, percent in {**RUNTIME_PINNED, **fixed}.items():
         if key not in FIXABLE:
             raise ValueError(f"cannot fix {key!r}; fixable: {', '.join(FIXABLE)}")
         if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 <= percent <= 100:
             raise ValueError(f"{key} must be a percentage in [0, 100], got {percent!r}")
+        if key in RUNTIME_PINNED and percent != RUNTIME_PINNED[key]:
+            raise ValueError(f"{key} = {percent:g}: the runtime holds {key} = {RUNTIME_PINNED[key]:g} (the KV cache "
+                             f"has no disk tier; activations stay on the device)")
         i = VARIABLES.index(FIXABLE[key])
         bounds[i] = (percent / 100, percent / 100)
     return bounds
+
+
+def _cache_bounds(bounds: list, cpu_attention: bool) -> list:
+    """The bounds to solve with: CPU attention needs the whole cache on one side (the runtime attends a host cache
+    on the host, a device cache on the device, never a split one), so it is solved with the cache all on the host
+    and all on the device (unless pinned), each an LP of its own."""
+    cg, cc = VARIABLES.index("cg"), VARIABLES.index("cc")
+    if not cpu_attention:
+        return [bounds]
+    lo, hi = bounds[cg]
+    if lo == hi and 0 < lo < 1:
+        raise ValueError(f"cache_gpu = {100 * lo:g} with cpu_attention: CPU attention needs cache_gpu = 0 or 100")
+    sides = [side for side in (0.0, 1.0) if lo <= side <= hi]
+    return [[(side, side) if i == cg else (1 - side, 1 - side) if i == cc else b for i, b in enumerate(bounds)]
+            for side in sides]
 
 
 # ---- the linear program ----------------------------------------------------------------------------------------

@@ -3,9 +3,13 @@
 A block of `num_gpu_batches` GPU batches (of `gpu_batch_size` sequences) advances one token step at a time; within
 a step the loop goes layer by layer and, for each layer, over every GPU batch, so each layer's weights are fetched
 once per step for the whole block (prefetching the next layers meanwhile), instead of once per batch as in the
-row-by-row schedule of ZeRO-Inference. A batch's KV cache lives on the device or in host memory
-(`cache_gpu` percent of the batches on the device); a host-resident cache is loaded before its batch's layer runs
-and stored after, unless `cpu_attention` delegates that attention to the host, which then works on it in place.
+row-by-row schedule of ZeRO-Inference. The KV cache is placed at tensor granularity, as FlexGen places it:
+every layer's K (and V) of a GPU batch, [N, Hkv, L, hd], is seen as N * Hkv rows [N * Hkv, L, hd]; the first
+R = device_rows(N * Hkv, cache_gpu) rows stay on the device and the rest live in (pinned) host memory, for every
+GPU batch alike. A batch with all rows on the device computes on its cache in place (cache_gpu = 100: no copy);
+otherwise its rows of a layer are gathered in a device staging buffer before the layer runs (host rows through
+the copy engine, device rows by a device copy) and scattered back after, unless `cpu_attention` delegates the
+attention over a host cache (cache_gpu = 0) to the host, which then works on it in place.
 With `[model] kv_cache = "int8" | "int4"` every one of these caches (device, host, staging) holds QuantizedKV parts
 (q, scale, min) and the loads and stores move those parts as they are: FlexGen's point of compressing the cache,
 ~3.8x (int8) and ~7.1x (int4) fewer bytes than float32 at head_dim 64, group 64. Attention dequantizes only the
@@ -23,31 +27,47 @@ import numpy as np
 from ..backend.numpy_ops import NumpyOps
 from ..backend.ops import StepLayout
 from ..comm.mappings import broadcast_from_tp_root
+from ..errors import ConfigError
 from ..generate.engine import Sequence, record_token
 from ..generate.kv_cache import KVCache
 from ..generate.sampling import sample, sequence_rng
 from ..generate.schedule import micro_batches
 from ..quant.kv import QuantizedKV
+from .budget import device_rows
 
 
 class HostKV:
-    """KV caches of GPU batches that live in (pinned) host memory, and two device staging buffers of one layer they
-    pass through, unless CPU attention reads them where they are. A step visits (layer, batch) pairs in the zig-zag
-    order; pair k is loaded into staging buffer k % 2 while pair k - 1 computes in the other, and stored back after
-    it ran (on a GPU: on the copy stream, ordered by events, backend/cupy_transfer.py), so the loads of the next
+    """The KV rows of GPU batches that do not all live on the device: each batch's host rows in (pinned) host
+    memory, its device rows (tensor granularity, module docstring) in device arrays, and two device staging
+    buffers of one layer they pass through, unless CPU attention reads a host cache where it is. A step visits
+    (layer, batch) pairs in the zig-zag order; pair k is loaded into staging buffer k % 2 while pair k - 1 computes
+    in the other, and stored back after it ran (on a GPU: host rows on the copy stream, ordered by events,
+    backend/cupy_transfer.py; device rows by a device copy on the compute stream), so the loads of the next
     batch's cache and the stores of the previous one overlap the current compute. Only the positions that matter
     move, as FlexGen moves them: a load brings the positions cached before the step ([0, max start)), a store takes
     back the positions the step wrote ([min start, max end)); positions of a buffer past a sequence's own length
     hold another batch's rows and are never read (attention reads [0, length) and appends before it reads). A
-    quantized cache (model.kv_format) moves as its quantized parts; the byte counts are of what moves."""
+    quantized cache (model.kv_format) moves as its quantized parts; the byte counts are of what crosses the link
+    (the host rows)."""
 
-    def __init__(self, model, sizes: dict, max_len: int, cpu_attention: bool):
-        arch = model.arch
-        make = lambda ops, layers, n: KVCache(ops, layers, n, model.kv_heads_local, max_len, arch.head_dim,
-                                              kv_format=model.kv_format)
+    def __init__(self, model, sizes: dict, max_len: int, cpu_attention: bool, cache_gpu: float = 0.0):
+        arch, heads = model.arch, model.kv_heads_local
+        make = lambda ops, layers, n, h=heads: KVCache(ops, layers, n, h, max_len, arch.head_dim,
+                                                       kv_format=model.kv_format)
         self.copies = model.ops.copy_engine()
         host_ops = PinnedHostOps(self.copies)
-        self.host = {b: make(host_ops, model.num_local_layers, n) for b, n in sizes.items()}  # b -> host cache
+        self.sizes = dict(sizes)                                                 # b -> sequences N
+        self.device_rows = {b: device_rows(n * heads, cache_gpu) for b, n in sizes.items()}   # b -> R
+        if cpu_attention and any(self.device_rows.values()):
+            raise ConfigError(f"offload.cpu_attention = true with offload.cache_gpu = {cache_gpu:g}: CPU attention "
+                              f"needs the whole cache on the host (cache_gpu = 0)")
+        if cpu_attention:                                                        # b -> [N, Hkv, L, hd] caches
+            self.host = {b: make(host_ops, model.num_local_layers, n) for b, n in sizes.items()}
+        else:                                                                    # b -> [N Hkv - R, 1, L, hd] rows
+            self.host = {b: make(host_ops, model.num_local_layers, n * heads - self.device_rows[b], 1)
+                         for b, n in sizes.items()}
+        self.device = {b: make(model.ops, model.num_local_layers, r, 1)          # b -> [R, 1, L, hd] rows
+                       for b, r in self.device_rows.items() if r > 0}
         self.staging = [] if cpu_attention or not sizes else \
             [make(model.ops, 1, max(sizes.values())) for _ in range(2)]         # one layer of the largest batch
         self.order: list = []                           # this step's (layer, b) pairs, in the order they run
@@ -62,9 +82,14 @@ class HostKV:
     def staging_bytes(self) -> int:
         return sum(c.nbytes for c in self.staging)
 
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of the KV cache here: the device rows and the staging buffers."""
+        return sum(c.nbytes for c in self.device.values()) + self.staging_bytes
+
     def begin_step(self, steps: dict, num_layers: int) -> None:
-        """The host-resident batches that run this step ({b: its StepLayout}, in the loop's order): their windows;
-        load the first pair."""
+        """The batches here that run this step ({b: its StepLayout}, in the loop's order): their windows; load the
+        first pair."""
         self.windows = {b: (slice(0, int(step.starts.max())),
                             slice(int(step.starts.min()), int((step.starts + step.counts).max())))
                         for b, step in steps.items()}
@@ -83,17 +108,24 @@ class HostKV:
         for copy in self.stored_from.pop(self.cursor % 2, []) + self.loads.pop(self.cursor):
             copy.fence()                                # the compute waits for the buffer's last store (a prompt
                                                         # step loads nothing) and its load; the host does not
+        if self.windows[b][0].stop > 0:                 # the device rows: a device copy on the compute stream
+            for device, staged in zip(*self._device_rows(layer, b, self.cursor % 2, self.windows[b][0])):
+                staged[...] = device
         if self.cursor + 1 < len(self.order):
             self._start_load(self.cursor + 1)
         return _LayerView(self.staging[self.cursor % 2], layer)
 
     def store(self, b: int, layer: int) -> None:
-        """Copy the layer's rows of batch b back to its host cache, after the compute issued so far."""
+        """Copy the layer's rows of batch b back: device rows to their device arrays (after the compute issued so
+        far, on its stream), host rows to the host cache (the copy engine)."""
         if not self.staging:
             return
-        host, staged = self._rows(layer, b, self.cursor % 2, self.windows[b][1])
+        slot, positions = self.cursor % 2, self.windows[b][1]
+        for device, staged in zip(*self._device_rows(layer, b, slot, positions)):
+            device[...] = staged
+        host, staged = self._host_rows(layer, b, slot, positions)
         self.stores[layer, b] = [self.copies.download(d, h) for d, h in zip(staged, host)]
-        self.stored_from[self.cursor % 2] = self.stores[layer, b]
+        self.stored_from[slot] = self.stores[layer, b]
         self.bytes_to_host += sum(int(h.nbytes) for h in host)
 
     def finish(self) -> None:
@@ -108,20 +140,37 @@ class HostKV:
         layer, b = self.order[k]
         for download in self.stores.pop((layer, b), []):  # the host rows are whole again (a step ago: done)
             download.wait()
-        host, staged = self._rows(layer, b, k % 2, self.windows[b][0])
+        host, staged = self._host_rows(layer, b, k % 2, self.windows[b][0])
         loads = self.windows[b][0].stop > 0                # a prompt step has nothing cached yet
         self.loads[k] = [self.copies.upload_into(d, h) for d, h in zip(staged, host)] if loads else []
         self.bytes_to_device += sum(int(h.nbytes) for h in host)
 
-    def _rows(self, layer: int, b: int, slot: int, positions: slice) -> tuple[list, list]:
-        """(host arrays, staging arrays) of batch b's K and V rows of `layer` at `positions`, part by part:
-        [n, Hkv, positions, hd] windows (quantized: each part's)."""
-        host, staging = self.host[b], self.staging[slot]
+    def _host_rows(self, layer: int, b: int, slot: int, positions: slice) -> tuple[list, list]:
+        """(host arrays, staging arrays) of batch b's host K and V rows of `layer` at `positions`, part by part:
+        [N Hkv - R, 1, positions, hd] windows (quantized: each part's)."""
+        return self._pairs(self.host[b], layer, b, slot, positions, slice(self.device_rows[b], None))
+
+    def _device_rows(self, layer: int, b: int, slot: int, positions: slice) -> tuple[list, list]:
+        """(device arrays, staging arrays) of batch b's device rows of `layer` at `positions`: [R, 1, positions,
+        hd] windows, part by part; empty when R = 0."""
+        if b not in self.device:
+            return [], []
+        return self._pairs(self.device[b], layer, b, slot, positions, slice(0, self.device_rows[b]))
+
+    def _pairs(self, rows: KVCache, layer: int, b: int, slot: int, positions: slice, staged_rows: slice):
         window = (slice(None), slice(None), positions)
-        host_parts = [p for rows in (host.k[layer], host.v[layer]) for p in _parts(rows[window])]
-        staged_parts = [p for rows in (staging.k[0][:host.n_seqs], staging.v[0][:host.n_seqs])
-                        for p in _parts(rows[window])]
-        return host_parts, staged_parts
+        staging, n = self.staging[slot], self.sizes[b]
+        own = [p for part in (rows.k[layer], rows.v[layer]) for p in _parts(part[window])]
+        staged = [p for part in (staging.k[0][:n], staging.v[0][:n])
+                  for p in _parts(_as_rows(part)[staged_rows][window])]
+        return own, staged
+
+
+def _as_rows(cache):
+    """One layer's K or V of N sequences [N, Hkv, L, X] (each part of a QuantizedKV) as [N Hkv, 1, L, X] rows: a
+    view, the arrays are contiguous."""
+    flat = lambda a: a.reshape(a.shape[0] * a.shape[1], 1, *a.shape[2:])
+    return cache.map(flat) if isinstance(cache, QuantizedKV) else flat(cache)
 
 
 class _LayerView:
@@ -158,11 +207,13 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
                      sequence_rng(params.seed, i)) for i, p in zip(indices, prompts)]
     batches = micro_batches(len(seqs), policy.num_gpu_batches)                    # the GPU batches of the block
     max_len = max(s.capacity for s in seqs)
-    on_device = round(len(batches) * policy.cache_gpu / 100)
-    caches = {b: KVCache(model.ops, model.num_local_layers, len(batches[b]), model.kv_heads_local, max_len,
-                         arch.head_dim, kv_format=model.kv_format) for b in range(on_device)}
-    host_kv = HostKV(model, {b: len(batches[b]) for b in range(on_device, len(batches))}, max_len,
-                     policy.cpu_attention)
+    heads = model.kv_heads_local
+    on_device = [b for b, group in enumerate(batches)                             # every row on the device
+                 if device_rows(len(group) * heads, policy.cache_gpu) == len(group) * heads]
+    caches = {b: KVCache(model.ops, model.num_local_layers, len(batches[b]), heads, max_len, arch.head_dim,
+                         kv_format=model.kv_format) for b in on_device}
+    host_kv = HostKV(model, {b: len(g) for b, g in enumerate(batches) if b not in caches}, max_len,
+                     policy.cpu_attention, policy.cache_gpu)
     eos = set() if params.ignore_eos else set(arch.eos_token_ids)
     t_start, first, prefill = time.perf_counter(), True, 0.0
     while True:
@@ -195,7 +246,7 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     times.prompt_tokens += sum(len(s.prompt) for s in seqs)
     times.generated_tokens += sum(len(s.generated) for s in seqs)
     host_kv.finish()
-    device_kv = sum(c.nbytes for c in caches.values()) + host_kv.staging_bytes
+    device_kv = sum(c.nbytes for c in caches.values()) + host_kv.device_bytes
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, device_kv)
     times.kv_bytes_to_device += host_kv.bytes_to_device
     times.kv_bytes_to_host += host_kv.bytes_to_host
