@@ -185,17 +185,24 @@ def _budgets(args) -> dict:
             for tier in ("device", "host", "disk")}
 
 
-def _measure(args):
+def _disk_dir(args) -> str:
     import os
     import tempfile
 
-    from .backend.ops import make_ops
     from .errors import ConfigError
-    from .offload.profile import measure
 
     disk_dir = getattr(args, "disk_dir", None) or tempfile.gettempdir()
     if not os.path.isdir(disk_dir):
         raise ConfigError(f"--disk-dir '{disk_dir}' is not a directory")
+    return disk_dir
+
+
+def _measure(args):
+    from .backend.ops import make_ops
+    from .errors import ConfigError
+    from .offload.profile import measure
+
+    disk_dir = _disk_dir(args)
     size = _bytes_option("size", getattr(args, "size", "256MiB"))
     ops = make_ops(getattr(args, "backend", "auto"), 0)
     try:
@@ -216,7 +223,10 @@ def _profile(args) -> int:
     from .offload.profile import save_profile
 
     t0 = time.perf_counter()
-    profile = _measure(args)
+    comm = _mpi_world()
+    profile = _measure_ranks(args, comm) if comm is not None else _with_link_defaults_noted(_measure(args))
+    if profile is None:                                  # ranks other than 0 of an mpiexec run: rank 0 writes
+        return 0
     if args.out is None:
         sys.stdout.write(profile.to_toml())
         return 0
@@ -228,6 +238,61 @@ def _profile(args) -> int:
     if profile.notes:
         print(f"hpcinfer: note: {profile.notes}")
     return 0
+
+
+LINK_DEFAULTS_NOTE = ("gpus_per_node = {gpus} ({how}); intra_node_* and inter_node_* link figures are defaults, "
+                      "not measured: run `mpiexec -n R hpcinfer profile` with the ranks of one node to measure them")
+
+
+def _mpi_world():
+    """MPI.COMM_WORLD when this process runs under mpiexec with >= 2 ranks, else None (a 1-process run)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.size >= 2 else None
+
+
+def _with_link_defaults_noted(profile):
+    """A 1-process profile: the links stay the defaults, and its notes say so. On cupy, gpus_per_node is the
+    number of GPUs this process sees (counted); on numpy it stays 1 (one process is one rank)."""
+    import dataclasses
+
+    how = "default: one process is one rank"
+    gpus = profile.gpus_per_node
+    if profile.notes.startswith("cupy backend"):
+        from .backend.cupy_ops import _import_cupy
+
+        gpus, how = max(1, int(_import_cupy().cuda.runtime.getDeviceCount())), "GPUs this process sees, counted"
+    note = LINK_DEFAULTS_NOTE.format(gpus=gpus, how=how)
+    notes = f"{profile.notes}; {note}" if profile.notes else note
+    return dataclasses.replace(profile, gpus_per_node=gpus, notes=notes)
+
+
+def _measure_ranks(args, comm):
+    """The profile of one rank of this node, measured by every rank of an mpiexec run at once, with the links
+    measured by MPI ping-pong (perf/links.measure_ranks); rank 0 returns it, the other ranks None."""
+    import dataclasses
+
+    from .backend.ops import make_ops
+    from .errors import ConfigError
+    from .perf.links import measure_ranks
+
+    disk_dir = _disk_dir(args)
+    size = _bytes_option("size", getattr(args, "size", "256MiB"))
+    ops = make_ops(getattr(args, "backend", "auto"), comm.rank)
+    if ops.name == "cupy":
+        raise ConfigError("profile under mpiexec measures CPU ranks (the NumPy backend) only: run "
+                          "`hpcinfer profile --backend cupy` in one process for the GPU's figures")
+    try:
+        profile = measure_ranks(comm, disk_dir, size=size)
+    except OSError as exc:
+        raise ConfigError(f"cannot measure the disk under '{disk_dir}': {exc.strerror or exc}") from None
+    if profile is None:
+        return None
+    note = (f"measured under mpiexec -n {comm.size}: gpus_per_node = {profile.gpus_per_node} (the ranks sharing "
+            "this node's memory)")
+    return dataclasses.replace(profile.with_budgets(**_budgets(args)), notes=f"{profile.notes}; {note}")
 
 
 def _plan_model(spec: str):
@@ -333,7 +398,24 @@ def _fixed_percentages(items: list[str]) -> dict:
             sep = ""
         if not sep:
             raise ConfigError(f"--fix {item!r}: expected KEY=PERCENT, e.g. --fix cache_gpu=100")
+    _check_fixed_sums(fixed)
     return fixed
+
+
+def _check_fixed_sums(fixed: dict) -> None:
+    """The gpu / cpu / disk percentages of weights, cache and activations each sum to 100: fixed ones may not
+    sum to more, and all three fixed must sum to exactly 100."""
+    from .errors import ConfigError
+
+    for what in ("weights", "cache", "act"):
+        keys = [f"{what}_{tier}" for tier in ("gpu", "cpu", "disk") if f"{what}_{tier}" in fixed]
+        total = sum(fixed[k] for k in keys)
+        named = " + ".join(f"{k}={fixed[k]:g}" for k in keys)
+        if total > 100 + 1e-9:
+            raise ConfigError(f"--fix {named} = {total:g}: the {what}_gpu / {what}_cpu / {what}_disk percentages "
+                              f"must sum to 100, so the fixed ones cannot sum to more")
+        if len(keys) == 3 and abs(total - 100) > 1e-9:
+            raise ConfigError(f"--fix {named} = {total:g}: the three percentages must sum to 100")
 
 
 def _plan_quant(args, arch):

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.cli import main
+from hpcinfer.comm.all_to_all import message_stats
 from hpcinfer.comm.mesh import MeshShape
 from hpcinfer.config import _build
 from hpcinfer.model.arch import ModelArch
@@ -41,6 +42,20 @@ def models(draw):
        memory=st.sampled_from([10**6, 10**7, 10**8, 10**10]), batch=st.integers(1, 40),
        objective=st.sampled_from(["latency", "throughput"]))
 def test_planner_proposes_only_valid_fitting_layouts(arch, gpus, per_node, memory, batch, objective):
+    _check_plan(arch, gpus, per_node, memory, batch, objective)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arch=models(), gpus=st.sampled_from([64, 128, 256]), per_node=st.sampled_from([4, 8]),
+       memory=st.sampled_from([10**7, 10**8, 10**10]), batch=st.integers(1, 300),
+       objective=st.sampled_from(["latency", "throughput"]))
+def test_planner_at_64_to_256_gpus_proposes_only_valid_fitting_layouts(arch, gpus, per_node, memory, batch,
+                                                                        objective):
+    """The issue's range: clusters of 8 to 64 nodes (few examples: each plans hundreds of layouts)."""
+    _check_plan(arch, gpus, per_node, memory, batch, objective)
+
+
+def _check_plan(arch, gpus, per_node, memory, batch, objective):
     if gpus > per_node and gpus % per_node:
         return                                                           # the CLI refuses partial nodes
     hw = dataclasses.replace(HARDWARE["dgx-a100-40gb"], gpus_per_node=per_node, device_memory=memory)
@@ -59,6 +74,9 @@ def test_planner_proposes_only_valid_fitting_layouts(arch, gpus, per_node, memor
         assert 1 <= lay.prompt_micro_batches <= per_replica and 1 <= lay.gen_micro_batches <= per_replica
         assert p.memory == rank_memory(arch, lay, work) <= memory
         assert p.token_s > 0 and p.prompt_s > 0 and p.throughput > 0
+        if any(arch.moe_experts) and lay.stage_ranks > 1:                   # the exchange's schedule exists
+            tp = lay.tp if lay.all_to_all.startswith("pcc") else 1
+            message_stats(lay.all_to_all, lay.stage_ranks, lay.stage_ranks_per_node, tp, 1, 1)
     keys = [p.token_s for p in result.ranked] if objective == "latency" else [-p.throughput for p in result.ranked]
     assert keys == sorted(keys)
 

@@ -14,9 +14,11 @@ TIMED = ("prompt_latency_ms", "per_token_ms_median", "per_token_ms_p90", "tokens
          "bandwidth_GBps_per_rank", "bandwidth_utilization", "bubble_fraction", "generate_s", "load_s")
 
 
-def from_metrics(m: dict, ranks_on_node: int, machine_GBps: float | None) -> dict:
+def from_metrics(m: dict, ranks_on_node: int, machine_GBps: float | None, device_total: int | None = None) -> dict:
     """One hpcinfer job's figures. bandwidth_utilization = the weight bytes all ranks of a node stream per decode
-    step / the machine's measured read bandwidth (decode reads every weight once per step)."""
+    step / the machine's measured read bandwidth (decode reads every weight once per step). device_total: an
+    offloaded job's bytes on the device per rank (offload_device_bytes), kept as device_total_bytes_per_rank: its
+    device_weights figure is only the streamed weights' peak."""
     bw = m["decode_weight_bandwidth_GBps_per_rank"]
     offload, kv, mem = m.get("offload", {}), m.get("kv_cache", {}), m.get("memory", {})
     device_weights = offload.get("weights_peak_device_bytes_per_rank") or mem.get("weight_bytes_per_rank")
@@ -35,9 +37,35 @@ def from_metrics(m: dict, ranks_on_node: int, machine_GBps: float | None) -> dic
                    "device_kv_peak_bytes_per_rank": kv.get("peak_device_bytes_per_rank"),
                    "host_peak_rss_bytes_per_rank": mem.get("host_peak_rss_bytes_per_rank"),
                    "weights_from_host_bytes": offload.get("weights_bytes_from_host"),
-                   "weights_from_disk_bytes": offload.get("weights_bytes_from_disk")},
+                   "weights_from_disk_bytes": offload.get("weights_bytes_from_disk"),
+                   "device_total_bytes_per_rank": device_total},
         "mesh": m["mesh"],
     }
+
+
+def offload_device_bytes(config_path: str, prompt_lengths: list) -> int | None:
+    """What an offloaded job holds on the device per rank, as its budget check counts it before it runs
+    (offload/budget.plan_bytes: resident layers, streaming window, embedding tables, KV cache on the device and
+    its staging; the largest stage). None when the job's config has no active [offload]."""
+    from ..config import load_config
+    from ..job import open_model_source
+    from ..offload.budget import plan_bytes
+    from ..parallel.stages import partition_layers
+    from ..quant.storage import configure, quant_of
+
+    config = load_config(str(config_path))
+    if not config.offload.active:
+        return None
+    ckpt = open_model_source(config.model)
+    try:
+        configure(ckpt, config.model.quantize, config.model.quantize_group)
+        quantized = quant_of(ckpt)
+        stages = partition_layers(ckpt.arch, config.parallel.pp, config.path)
+        return max(int(plan_bytes(ckpt.arch, config, s, prompt_lengths, quantized)["device"]) for s in stages)
+    finally:
+        close = getattr(ckpt, "close", None)
+        if close is not None:
+            close()
 
 
 def from_steps(prefill_s: float, steps: list, batch: int, new_tokens: int) -> dict:

@@ -42,7 +42,14 @@ def cell_row(c: dict) -> str:
             f"{f['tokens_per_s']:.1f} | {_f(f.get('tflops_per_rank'), '.3f')} | "
             f"{_f(f.get('bandwidth_GBps_per_rank'))} ({'–' if util is None else f'{100 * util:.0f}%'}) | "
             f"{100 * f.get('bubble_fraction', 0):.0f}% | {_mb(mem.get('device_weights_bytes_per_rank'))} / "
-            f"{_mb(mem.get('device_kv_peak_bytes_per_rank'))} | {_mb(mem.get('host_peak_rss_bytes_per_rank'))} |")
+            f"{_mb(mem.get('device_kv_peak_bytes_per_rank'))}{_device_total(mem)} | "
+            f"{_mb(mem.get('host_peak_rss_bytes_per_rank'))} |")
+
+
+def _device_total(mem: dict) -> str:
+    """An offloaded cell's whole device footprint (streamed weights + embedding tables + KV cache + ...)."""
+    total = mem.get("device_total_bytes_per_rank")
+    return "" if total is None else f" (device total {_mb(total)})"
 
 
 def baseline_lines(suite: dict) -> list[str]:
@@ -101,7 +108,9 @@ def markdown(result: dict, plots: list[str]) -> str:
               "parameters × tokens / ranks / time; GB/s per rank = a rank's matmul weight bytes / median decode "
               "step, and its share of the machine's measured read bandwidth (all ranks of the node together); "
               "bubble = time a pipeline stage waited / generation time; memory: device weights and KV peak per "
-              "rank, host peak resident set per rank. Only ratios within one run count: never compare absolute "
+              "rank (under offload the device weights are the streamed weights' peak, and the device total is "
+              "what the offload budget check counts: resident and streamed weights, embedding tables, KV cache), "
+              "host peak resident set per rank. Only ratios within one run count: never compare absolute "
               "times across result files."]
     if result["warnings"]:
         lines += [""] + [f"**Warning:** {w}" for w in result["warnings"]]
@@ -169,7 +178,7 @@ def plots(result: dict, stem: Path) -> list[str]:
     draw = {"latency": lambda ax, s: _vs_batch(ax, s, "per_token_ms_median", "per-token latency, median (ms)"),
             "throughput": lambda ax, s: _vs_batch(ax, s, "tokens_per_s", "generated tokens/s"),
             "bandwidth": lambda ax, s: _vs_batch(ax, s, "bandwidth_utilization",
-                                                 "decode weight bandwidth / machine read bandwidth (%)", 100.0),
+                                                 "decode weight GB/s / machine read GB/s (%)", 100.0),
             "scaling": _scaling}
     written = []
     for name in PLOTS:
@@ -179,7 +188,7 @@ def plots(result: dict, stem: Path) -> list[str]:
         fig.suptitle(f"hpcinfer bench {result['date']}: {name}")
         fig.tight_layout()
         path = Path(f"{stem}-{name}.png")
-        fig.savefig(path, dpi=90)
+        fig.savefig(path, dpi=90, bbox_inches="tight")           # keep the y labels whole
         plt.close(fig)
         written.append(str(path))
     return written

@@ -62,7 +62,8 @@ def run_rounds(cfg: BenchConfig, runs: list[SuiteRun], workdir: Path, machine_GB
                 log(f"{cell.key}: {res['status']}: {res['error']}")
                 continue
             ranks_on_node = cell.layout.ranks_per_node or cell.layout.ranks
-            sample = fig.from_metrics(res["metrics"], ranks_on_node, machine_GBps)
+            device_total = offload_device_total(run, cell, workdir / f"cell{count:04d}.toml")
+            sample = fig.from_metrics(res["metrics"], ranks_on_node, machine_GBps, device_total)
             sample.update(round=rnd, wall_s=res["wall_s"], cpu=cpu, other_cpus_before=before["other_cpus"])
             run.runs[cell.key].append(sample)
             run.tokens[cell.key] = res["tokens"]
@@ -71,6 +72,13 @@ def run_rounds(cfg: BenchConfig, runs: list[SuiteRun], workdir: Path, machine_GB
                 f"{(cpu or {}).get('other_cpus')} CPUs; {time.perf_counter() - t_start:.0f} s elapsed")
         for run in runs:
             hf_round(cfg, run, rnd, hf_models)
+
+
+def offload_device_total(run: SuiteRun, cell, config_path: Path) -> int | None:
+    """An offload cell's bytes on the device per rank, as its budget check counts them (None otherwise)."""
+    if not run.suite.offload:
+        return None
+    return fig.offload_device_bytes(str(config_path), [len(p) for p in run.prompts[:cell.batch]])
 
 
 def rejected_smaller(run: SuiteRun, cell) -> str:
@@ -207,9 +215,12 @@ def suite_record(run: SuiteRun) -> dict:
 
 
 def not_applicable(machine: dict) -> list:
-    why = ("GPU backend only: the NumPy backend has no fused kernels and no CUDA graphs" if not machine["gpus"]
-           else "hpcinfer has no switch to turn kernel fusion or CUDA graphs off yet")
-    return [{"name": "no fusion", "reason": why}, {"name": "no CUDA graphs", "reason": why},
+    cpu = "GPU backend only: the NumPy backend has no fused kernels and no CUDA graphs"
+    fusion = cpu if not machine["gpus"] else "hpcinfer has no switch to turn kernel fusion off yet"
+    graphs = cpu if not machine["gpus"] else (
+        "[runtime] cuda_graphs switches them (off by default, so these cells ran without them); "
+        "graphs on against off is not a bench variant yet: bench/quant.py --cuda-graphs times both")
+    return [{"name": "no fusion", "reason": fusion}, {"name": "no CUDA graphs", "reason": graphs},
             {"name": "one-hot MoE dispatch", "reason": "not a path of the model (gating uses index tables); "
                                                        "measured against the table/scan path by bench/moe.py (a)"}]
 

@@ -19,7 +19,7 @@ FIGURES = {
         "memory": {"type": "object", "properties": {
             "device_weights_bytes_per_rank": _INT_OR_NULL, "device_kv_peak_bytes_per_rank": _INT_OR_NULL,
             "host_peak_rss_bytes_per_rank": _INT_OR_NULL, "weights_from_host_bytes": _INT_OR_NULL,
-            "weights_from_disk_bytes": _INT_OR_NULL}},
+            "weights_from_disk_bytes": _INT_OR_NULL, "device_total_bytes_per_rank": _INT_OR_NULL}},
         "mesh": {"type": "object", "required": ["world", "pp", "dp", "tp"]},
     },
 }

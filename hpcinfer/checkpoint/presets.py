@@ -95,6 +95,8 @@ def _build_presets() -> dict[str, ModelArch]:
     p["tiny-dense"] = _gpt2_like(256, 64, 4, 4, 128, family="tiny")
     p["tiny-moe"] = _ds_moe(64, 4, 4, _every_other(4, 8), vocab=256, positions=128)
     p["tiny-prmoe"] = _ds_moe(64, 4, 4, (0, 4, 0, 8), residual=True, vocab=256, positions=128)
+    # tiny-moe with 256 positions: DeepSpeed Inference's MoE latency setting (prompt 128 + 100 generated) fits.
+    p["tiny-moe-256"] = _ds_moe(64, 4, 4, _every_other(4, 8), vocab=256, positions=256)
     return p
 
 
@@ -126,6 +128,7 @@ SOURCES: dict[str, tuple[str, float | None]] = {
     "tiny-dense": ("tests and demos", None),
     "tiny-moe": ("tests and demos", None),
     "tiny-prmoe": ("tests and demos", None),
+    "tiny-moe-256": ("the bench's MoE latency suite at prompt 128 + 100 generated", None),
 }
 
 
