@@ -100,6 +100,16 @@ def attention_case(slots, starts, counts, heads=4, kv_heads=2, hd=16, n_slots=6,
     return build
 
 
+def encoder_attention_case(counts, heads=4, hd=16):
+    """Encoder attention over packed whole sequences (no cache): ragged counts mask the padded keys; hd > 128
+    takes CupyOps's CuPy fallback even with kernels. NumpyOps (the spec) takes q, k and v with the same heads."""
+    def build(rng, dtype):
+        step = StepLayout.build(np.arange(len(counts)), np.zeros(len(counts)), counts)
+        q, k, v = (randn(rng, step.num_tokens, heads, hd) for _ in range(3))
+        return Case("bidirectional_attention", (q, k, v, step, 1.0 / np.sqrt(hd)))
+    return build
+
+
 def gating_case(k, normalize):
     def build(rng, dtype):
         return Case("top_k_gating", (randn(rng, 33, 8, scale=2.0), k, normalize))
@@ -167,6 +177,10 @@ CASES = {
     "attention-prefill-continued": (attention_case([1, 5], [5, 0], [4, 6]), ("float32",)),
     "attention-prefill-mha": (attention_case([3], [0], [9], heads=4, kv_heads=4), ("float32",)),
     "attention-mixed": (attention_case([0, 2], [6, 0], [1, 5]), ("float32",)),
+    "encoder-attention-ragged": (encoder_attention_case([7, 3, 12]), ("float32",)),
+    "encoder-attention-equal": (encoder_attention_case([9, 9]), ("float32",)),
+    "encoder-attention-one": (encoder_attention_case([1, 5], heads=2), ("float32",)),
+    "encoder-attention-hd160": (encoder_attention_case([6, 4], heads=2, hd=160), ("float32",)),
     "argmax": (lambda rng, dt: Case("argmax", (randn(rng, 4, 1000),), exact=True), ("float32",)),
     "softmax": (lambda rng, dt: Case("softmax", (randn(rng, 6, 11, scale=5),)), ("float32",)),
     "top_k_gating-k1-none": (gating_case(1, "none"), ("float32",)),

@@ -1,15 +1,17 @@
 """`[embed]` jobs through the CLI: the HDF5 output against transformers, the same file at dp=2 and tp=2
-(mpiexec -n 2), pooling none, truncation, resumable writes, and the bad inputs (both job sections, a decoder
+(mpiexec -n 2), dp=2 against transformers for every family (and MiniLM) and per token, pooling none, truncation, resumable writes, and the bad inputs (both job sections, a decoder
 checkpoint given to [embed] and an encoder to [generate], too-long inputs with truncate = false, empty texts)."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cli_helpers import clean_env, run_command
-from encoder_models import SENTENCES, hf_hidden_states, mean_pool, save_tiny_encoder
+from encoder_models import (MINILM, SENTENCES, hf_hidden_states, mean_pool, minilm_available,
+                            save_tiny_encoder)
 from hf_models import save_tiny_model
 from hpcinfer.checkpoint.hf import convert_hf
 from hpcinfer.embed.inputs import EncoderTokenizer
@@ -78,6 +80,44 @@ def test_two_ranks_write_the_single_rank_file(files, run_cli, parallel):
     assert metrics["mesh"] == {"dp": 2 if name == "tp1" else 1, "tp": 2 if name == "tp2" else 1, "ranks": 2}
 
 
+def dp2_model(files, family):
+    """(checkpoint .h5 relative to the module's folder, HF folder) of `family` for a dp = 2 run: the module's
+    tiny BERT, a tiny RoBERTa or DistilBERT converted here, or the real MiniLM (skipped without `make minilm`)."""
+    root, bert = files
+    if family == "bert":
+        return "bert.h5", bert
+    if family == "minilm":
+        if not minilm_available() or not (MINILM.parent / "minilm.h5").is_file():
+            pytest.skip(f"needs {MINILM} and models/minilm.h5 (run `make minilm`)")
+        return os.path.relpath(MINILM.parent / "minilm.h5", root), str(MINILM)
+    folder = save_tiny_encoder(family, root / family)
+    convert_hf(folder, str(root / f"{family}.h5"))
+    return f"{family}.h5", folder
+
+
+@pytest.mark.parametrize("family, pooling", [("roberta", "mean"), ("distilbert", "mean"), ("minilm", "mean"),
+                                             ("bert", "none")])
+def test_data_parallel_matches_transformers(files, run_cli, family, pooling):
+    """dp = 2 (each replica embeds every other batch; rank 0 writes) against transformers: mean-pooled
+    normalized embeddings by cosine, or pooling none per token within 1e-4 with zero padding."""
+    root, _ = files
+    h5, folder = dp2_model(files, family)
+    name = f"dp2-{family}-{pooling}"
+    extra = f'pooling = "{pooling}"\nnormalize = {"true" if pooling == "mean" else "false"}\n'
+    out = run_ok(run_cli, write_config(root, name, model=h5, extra=extra, parallel="tp = 1"), n=2)
+    assert json.loads((root / f"{name}.json").read_text())["mesh"]["dp"] == 2
+    tokenizer = EncoderTokenizer((Path(folder) / "tokenizer.json").read_text())
+    sequences = [tokenizer.encode(t) for t in TEXTS] + [[2, 40, 41, 3]]
+    states = hf_hidden_states(folder, sequences)
+    assert out["ids"] == [f"t{i}" for i in range(len(TEXTS))] + ["tok"]
+    assert out["lengths"].tolist() == [len(s) for s in sequences]
+    if pooling == "mean":
+        assert np.sum(out["embeddings"] * mean_pool(states), axis=1).min() > 0.99999
+        return
+    for row, n, ref in zip(out["embeddings"], out["lengths"], states):
+        assert np.abs(row[:n] - ref).max() < 1e-4 and not row[n:].any()
+
+
 def test_pooling_none_keeps_every_token_state(files, run_cli):
     root, bert = files
     out = run_ok(run_cli, write_config(root, "none", extra='pooling = "none"\nnormalize = false\n'))
@@ -89,8 +129,12 @@ def test_pooling_none_keeps_every_token_state(files, run_cli):
 
 def test_too_long_inputs_truncate_or_fail_naming_the_line(files, run_cli):
     root, bert = files
-    out = run_ok(run_cli, write_config(root, "cut", extra="max_length = 8\n"))
+    config = write_config(root, "cut", extra="max_length = 8\n")
+    result = run_cli(["run", config], timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = read_embeddings(config.replace(".toml", ".h5"))
     long = [i for i, n in enumerate(out["lengths"]) if n == 8]
+    assert f"{len(long)} of {len(TEXTS) + 1} inputs are longer than embed.max_length = 8" in result.stderr
     assert long and out["truncated"].sum() == len(long)
     assert json.loads((root / "cut.json").read_text())["truncated_inputs"] == len(long)
     tokenizer = EncoderTokenizer((root / "bert" / "tokenizer.json").read_text())

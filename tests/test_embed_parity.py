@@ -42,6 +42,15 @@ def test_tiny_encoder_matches_transformers(tiny):
         assert np.abs(ours - hf_pooler(folder, sequences)).max() < 1e-4
 
 
+def test_cls_pooling_is_the_first_token_state(tiny):
+    folder, model, tokenizer = tiny
+    ref = hf_hidden_states(folder, [tokenizer.encode(t) for t in SENTENCES])
+    ours = embed_texts(model, tokenizer, SENTENCES, pooling="cls", normalize=False)   # [S, D]
+    assert np.abs(ours - np.stack([r[0] for r in ref])).max() < 1e-4
+    normalized = embed_texts(model, tokenizer, SENTENCES, pooling="cls")
+    assert np.allclose(normalized, ours / np.linalg.norm(ours, axis=1, keepdims=True), atol=1e-6)
+
+
 def test_tiny_encoder_arch(tiny):
     _, model, _ = tiny
     arch = model.arch

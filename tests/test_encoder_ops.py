@@ -1,6 +1,6 @@
 """Ops.bidirectional_attention against a plain per-sequence, per-head softmax(q k^T) v, for packed batches of
 equal and ragged lengths; the CuPy twin against it when a GPU is visible. Post-norm blocks and encoder tensor
-shapes (model/arch.py)."""
+shapes (model/arch.py); a tiny BERT on the emulated CupyOps against NumPy."""
 
 import numpy as np
 import pytest
@@ -56,3 +56,21 @@ def test_encoder_tensor_shapes_have_no_lm_head_and_the_bert_parts():
     assert ModelArch.from_attrs(arch.to_attrs()) == arch
     with pytest.raises(ValueError, match="norm_position"):
         ModelArch(**{**arch.__dict__, "norm_position": "middle"})
+
+
+def test_encoder_on_emulated_cupy_matches_numpy(emu_cupy, tmp_path):
+    """A whole tiny BERT (post-LN blocks, GELU, ragged bidirectional attention, pooler) on CupyOps over the CPU
+    stand-in for cupy, kernels included, against the NumPy backend: per-token hidden states within 1e-4."""
+    from encoder_models import save_tiny_encoder
+    from hpcinfer.checkpoint.hf import convert_hf
+    from hpcinfer.embed.api import hidden_states, load_encoder
+
+    h5 = str(tmp_path / "bert.h5")
+    convert_hf(save_tiny_encoder("bert", tmp_path / "hf"), h5)
+    ours, _ = load_encoder(h5)
+    gpu, _ = load_encoder(h5, backend="cupy")
+    assert type(gpu.ops).__name__ == "CupyOps"
+    sequences = [[2, *range(10, 10 + n), 3] for n in (0, 7, 30, 12)]                # ragged, in one batch
+    want, got = hidden_states(ours, sequences), hidden_states(gpu, sequences)
+    assert all(g.shape == w.shape for g, w in zip(got, want))
+    assert max(np.abs(g - w).max() for g, w in zip(got, want)) < 1e-4

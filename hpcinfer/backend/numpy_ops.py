@@ -58,8 +58,15 @@ class NumpyOps:
         """act(norm(x) @ w.T + bias) (+ residual): the Deep-Fusion regions as one call (backend/ops.py NormParams;
         gated: act(gate) * up of a [T, 2F] gate/up product, as gated_activation). Here the unfused sequence of the
         ops the model used to call one by one, so results are bit-identical to them; CupyOps runs it as one
-        kernel (cuda_src/fused_norm_gemv.cu, sbi_gemv.cu) for a few tokens."""
-        return unfused_linear(self, x, w, bias, norm, act, gated, residual)
+        kernel (cuda_src/fused_norm_gemv.cu, sbi_gemv.cu) for a few tokens. The residual is added in place into
+        the product (a new array of ours) when that is C-contiguous; a sum either way round is the same float."""
+        y = unfused_linear(self, x, w, bias, norm, act, gated)
+        if residual is None:
+            return y
+        if y.flags.c_contiguous and y.shape == residual.shape and y.dtype == residual.dtype:
+            y += residual
+            return y
+        return residual + y                                  # y a transposed view (<= SMALL_BATCH tokens)
 
     def prepare_quantized(self, qt):
         """A QuantizedTensor as linear_q / embedding_q take it: on the host, itself (CupyOps re-lays it)."""
@@ -100,29 +107,40 @@ class NumpyOps:
         """table [V, D], ids [T] -> [T, D] float32."""
         return table[ids].astype(F32, copy=False)
 
+    # The norms and activations below write into arrays they allocated themselves (never into x): each NumPy
+    # temporary is a fresh [T, D] block, so fewer of them means less memory traffic (and, without the malloc
+    # settings of tune_host_malloc, fewer page faults). The float operations and their order are the original
+    # expressions' (in comments), so results are bit-identical to them.
     def layer_norm(self, x, weight, bias, eps: float):
-        mean = x.mean(axis=-1, keepdims=True)
-        centered = x - mean
-        var = np.mean(centered * centered, axis=-1, keepdims=True)
-        y = centered * (1.0 / np.sqrt(var + eps)).astype(F32)
+        mean = x.mean(axis=-1, keepdims=True)                # [T, 1]
+        centered = x - mean                                  # [T, D], ours from here on
+        square = centered * centered
+        var = np.mean(square, axis=-1, keepdims=True)
+        y = np.multiply(centered, (1.0 / np.sqrt(var + eps)).astype(F32), out=square)   # centered * rstd
         y *= weight
         if bias is not None:
             y += bias
         return y
 
-    def rms_norm(self, x, weight, eps: float):
-        ms = np.mean(x * x, axis=-1, keepdims=True)
-        return x * (1.0 / np.sqrt(ms + eps)).astype(F32) * weight
+    def rms_norm(self, x, weight, eps: float):                # x * rstd * weight
+        y = x * x
+        ms = np.mean(y, axis=-1, keepdims=True)
+        np.multiply(x, (1.0 / np.sqrt(ms + eps)).astype(F32), out=y)
+        y *= weight
+        return y
 
     def activation(self, x, kind: str):
         if kind == "gelu":                                   # 0.5 x (1 + erf(x / sqrt 2))
-            return F32(0.5) * x * (F32(1) + _erf(x * F32(np.sqrt(0.5))))
+            return _gelu(x)
         if kind == "gelu_tanh":
-            return 0.5 * x * (1.0 + np.tanh(F32(np.sqrt(2.0 / np.pi)) * (x + F32(0.044715) * x * x * x)))
+            return _gelu_tanh(x)
         if kind == "relu":
             return np.maximum(x, F32(0))
-        if kind == "silu":
-            return x / (F32(1) + np.exp(-x))
+        if kind == "silu":                                   # x / (1 + exp(-x))
+            y = np.negative(x)
+            np.exp(y, out=y)
+            y += F32(1)
+            return np.divide(x, y, out=y)
         raise ValueError(f"unknown activation {kind!r}")
 
     def gated_activation(self, gate_up, kind: str):
@@ -130,7 +148,9 @@ class NumpyOps:
         f = gate_up.shape[-1] // 2
         gate, up = gate_up[:, :f], gate_up[:, f:]
         if kind != "silu":
-            return self.activation(gate, kind) * up
+            out = self.activation(gate, kind)                # a new array: act(gate) * up in place
+            out *= up
+            return out
         out = np.negative(gate)                              # silu(g) * u = g / (1 + exp(-g)) * u, in place
         np.exp(out, out=out)
         out += F32(1)
@@ -290,17 +310,52 @@ _ERF_A = tuple(F32(a) for a in (1.061405429, -1.453152027, 1.421413741, -0.28449
 
 
 def _erf(z: np.ndarray) -> np.ndarray:
-    a = np.minimum(np.abs(z), F32(4))       # erf(4) is 1 in float32; the cap keeps exp(-a^2) out of slow denormals
-    t = F32(1) / (F32(1) + _ERF_P * a)
-    poly = _ERF_A[0] * t
+    """copysign(1 - poly(t) exp(-a^2), z) with a = min(|z|, 4), t = 1 / (1 + p a): three new arrays, the rest in
+    place. exp(-a*a) is computed as exp(-(a*a)), the same float32 value (the sign of a product is exact)."""
+    a = np.abs(z)
+    np.minimum(a, F32(4), out=a)            # erf(4) is 1 in float32; the cap keeps exp(-a^2) out of slow denormals
+    t = np.multiply(_ERF_P, a)
+    t += F32(1)
+    np.divide(F32(1), t, out=t)             # t = 1 / (1 + p a)
+    poly = np.multiply(_ERF_A[0], t)
     for coefficient in _ERF_A[1:]:
         poly += coefficient
         poly *= t
-    return np.copysign(F32(1) - poly * np.exp(-a * a), z)
+    np.multiply(a, a, out=a)
+    np.negative(a, out=a)
+    np.exp(a, out=a)                        # exp(-a^2)
+    poly *= a
+    np.subtract(F32(1), poly, out=poly)
+    return np.copysign(poly, z, out=poly)
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    """0.5 x (1 + erf(x / sqrt 2)) as (0.5 x) * (1 + erf(...)): four new arrays (the original expression: ~12)."""
+    z = np.multiply(x, F32(np.sqrt(0.5)))
+    e = _erf(z)
+    e += F32(1)
+    out = np.multiply(F32(0.5), x, out=z)   # z is no longer needed
+    out *= e
+    return out
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the cube as ((0.044715 x) x) x as before."""
+    u = np.multiply(F32(0.044715), x)
+    u *= x
+    u *= x
+    np.add(x, u, out=u)
+    np.multiply(F32(np.sqrt(2.0 / np.pi)), u, out=u)
+    np.tanh(u, out=u)
+    u += 1.0
+    out = np.multiply(0.5, x)
+    out *= u
+    return out
 
 
 def _softmax(scores):
-    scores = scores - scores.max(axis=-1, keepdims=True)
+    """Softmax over the last axis, in place: every caller passes scores it made (softmax() copies its input)."""
+    scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     return scores

@@ -8,6 +8,7 @@ into the HDF5 file and flushes, so a re-run resumes after the last finished roun
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .pooling import l2_normalize, pool
 DEFAULT_MAX_LENGTH = 512
 # keys that do not change any embedding: where results go, how work is split and run
 _NOT_IN_FINGERPRINT = ("embed.output", "embed.metrics", "embed.batch_size")
+log = logging.getLogger("hpcinfer")
 
 
 @dataclass
@@ -63,6 +65,7 @@ def prepare_embed_job(config, world_size: int, rank: int) -> EmbedJob:
         tokenizer = EncoderTokenizer(text) if text is not None else None
         inputs = load_inputs(e.inputs, arch, tokenizer, max_length, e.truncate)
         if rank == 0:
+            _warn_truncated(e.inputs, inputs, max_length)
             from ..job import _check_writable
 
             _check_writable(e.output, "[embed] output")
@@ -73,6 +76,14 @@ def prepare_embed_job(config, world_size: int, rank: int) -> EmbedJob:
         raise
     return EmbedJob(config, ckpt, inputs, max_length, bucket_batches([len(x.tokens) for x in inputs], e.batch_size),
                     job_fingerprint(config))
+
+
+def _warn_truncated(path: str, inputs, max_length: int) -> None:
+    """One warning at set-up (rank 0) when inputs were cut to max_length; the metrics count them too."""
+    cut = sum(x.truncated for x in inputs)
+    if cut:
+        log.warning("%s: %d of %d inputs are longer than embed.max_length = %d tokens and are truncated to it "
+                    "(truncate = false makes this an error)", path, cut, len(inputs), max_length)
 
 
 def _check_model_options(config, ckpt, rank: int, world_size: int) -> None:

@@ -33,8 +33,9 @@ class Block:
 
     def __call__(self, x, step, cache_k, cache_v, rope):    # x [T, D] -> [T, D]
         if self.post_norm:                                   # BERT: the norm after each residual sum
-            h = self.attn_norm(x + self.attn(x, step, cache_k, cache_v, rope))
-            return self.mlp_norm(h + self.mlp(h))
+            # the residual adds run in the epilogue of the output projections (as below); the norms stay apart
+            h = self.attn_norm(self.attn(x, step, cache_k, cache_v, rope, residual=x))     # norm(x + attn(x))
+            return self.mlp_norm(self.mlp(h, residual=h))                                 # norm(h + mlp(h))
         # Deep-Fusion: each norm runs inside the projection after it and each residual add in the epilogue of the
         # projection before it (one kernel each on the GPU for a few tokens; the same ops in sequence on NumPy).
         h = self.attn(x, step, cache_k, cache_v, rope, norm=self.attn_norm, residual=x)   # x + attn(attn_norm(x))
