@@ -221,8 +221,6 @@ def recommended(args, arch, prompt_len: int, budget: int, work: Path, bw: dict):
     keys = {k: getattr(policy, k) for k in ("schedule", "gpu_batch_size", "num_gpu_batches", "weights_gpu",
                                             "weights_cpu", "cache_gpu", "cache_cpu", "act_gpu", "act_cpu",
                                             "cpu_attention", "prefetch_layers")}
-    if keys["cache_gpu"] + keys["cache_cpu"] < 100:     # the runtime has no disk tier for the cache
-        keys["cache_cpu"] = 100 - keys["cache_gpu"]
     details = {"policy": keys, "predicted_tokens_per_s": prediction.throughput,
                "predicted_s": prediction.total_s, "bottleneck": prediction.bottleneck,
                "profile": profile.summary(), "candidates": len(candidates)}
