@@ -14,6 +14,10 @@ Modes (the float mode is float32 or float16 by backend):
   int4-g64       `hpcinfer convert <gguf> --quantize int4 --group-size 64`
   q4_1-kept      `hpcinfer convert <gguf> --keep-quantized` (GGUF Q4_1 blocks as they are, groups of 32)
   float+kv-int4, int4-g64+kv-int4   the same weights with `[model] kv_cache = "int4"` (groups of 64)
+  float+kv-int8  `[model] kv_cache = "int8"` (groups of 64)
+  float+topk-0.1, int4-g64+kv-int4+topk-0.1   `[generate] attention_topk = 0.1` (top-k sparse decode attention;
+                 on cupy its graphed steps are refused, as `[runtime] cuda_graphs` refuses top-k: eager figures only)
+A mode is its weights, then "+"-joined attention options: kv-int4 | kv-int8, topk-<fraction>.
 The quantized checkpoints are converted into a temporary directory from models/SmolLM2-135M-Instruct.Q4_1.gguf
 (the float32 file is that GGUF dequantized, so every mode starts from the same weight values).
 
@@ -59,11 +63,35 @@ KV_GROUP = 64
 def modes_for(backend: str) -> tuple:
     """Every mode of a backend; the first is the float baseline the ratios divide by."""
     f = FLOAT[backend]
-    return (f, "int8", "int4-g64", "q4_1-kept", f"{f}+kv-int4", "int4-g64+kv-int4")
+    return (f, "int8", "int4-g64", "q4_1-kept", f"{f}+kv-int4", "int4-g64+kv-int4", f"{f}+kv-int8",
+            f"{f}+topk-0.1", "int4-g64+kv-int4+topk-0.1")
 
 
 def weights_of(mode: str) -> str:
     return mode.partition("+")[0]
+
+
+def attention_of(mode: str) -> tuple[str, float]:
+    """(KV cache format, top-k fraction) of a mode's "+" options: kv-int4 | kv-int8, topk-<fraction in (0, 1]>."""
+    kv, topk = "none", 0.0
+    for part in mode.split("+")[1:]:
+        name, _, value = part.partition("-")
+        if name == "kv" and value in ("int4", "int8"):
+            kv = value
+        elif name == "topk" and _fraction(value) is not None:
+            topk = _fraction(value)
+        else:
+            raise SystemExit(f"bench.quant: mode {mode!r}: unknown option {part!r}; options are kv-int4, kv-int8 "
+                             f"and topk-<fraction in (0, 1]>")
+    return kv, topk
+
+
+def _fraction(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value <= 1 else None
 
 
 def log(msg: str) -> None:
@@ -177,8 +205,8 @@ def measure_round(mode: str, model, record: dict, prompts: list, new_tokens: int
     decode step of each. A mode whose graphed decode fails keeps its eager figures and the error."""
     from hpcinfer.quant.kv import kv_format
 
-    kv = mode.partition("+")[2]
-    model.set_attention(kv_format("int4" if kv == "kv-int4" else "none", KV_GROUP, model.arch.head_dim))
+    kv, topk = attention_of(mode)
+    model.set_attention(kv_format(kv, KV_GROUP, model.arch.head_dim), topk)
     for batch in BATCHES:
         step, kv_bytes, tokens = run_batch(model, prompts[:batch], new_tokens)
         record["decode_step_s"][str(batch)].append(step)

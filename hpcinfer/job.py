@@ -50,6 +50,7 @@ class RankReport:
     times: StepTimes
     generate_s: float
     peak_rss_bytes: int = field(default_factory=peak_rss_bytes)   # this rank's host memory peak, when built
+    held: dict | None = None     # metrics.held_bytes(model): weights as held (quantized at their size), scratch
 
 
 def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart: bool = False) -> Job:

@@ -27,6 +27,58 @@ def matmul_params(arch) -> int:
     return total
 
 
+# Attributes of a model object that hold no weights of its own (shared handles, rotary tables, the KV cache and
+# the offload tiers).
+_NOT_WEIGHTS = ("ops", "arch", "tp", "groups", "weights", "cache", "caches", "kv", "rope")
+
+
+def held_weight_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of the weights a model (one rank's share) holds, as held: a sharded layer counts what
+    parallel.layers.weight_bytes says (its quantized q, scale and min, or its float matrix), any other array
+    reachable from the model (norms, biases, MoE expert stacks) its nbytes; each object once (a tied LM head is the
+    embedding table)."""
+    from .parallel.layers import weight_bytes
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, type):                 # a class (a dtype, say) holds no weights
+        return 0
+    seen.add(id(obj))
+    if hasattr(obj, "qw") or hasattr(obj, "qtable"):             # a sharded layer (parallel/layers.py)
+        extra = getattr(obj, "b", None)
+        return weight_bytes(obj) + (int(extra.nbytes) if extra is not None and id(extra) not in seen else 0)
+    if hasattr(obj, "nbytes") and hasattr(obj, "shape"):         # an array (NumPy, or the ops' device arrays)
+        return int(obj.nbytes)
+    if isinstance(obj, (list, tuple)):
+        return sum(held_weight_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(held_weight_bytes(x, seen) for x in obj.values())
+    if hasattr(obj, "__dict__"):
+        return sum(held_weight_bytes(v, seen) for k, v in vars(obj).items() if k not in _NOT_WEIGHTS)
+    return 0
+
+
+def dequant_scratch_bytes(ops) -> int:
+    """The ops' reused dequantize buffers: weight tiles of NumpyOps.linear_q (`_scratch`) and dequantized KV rows
+    (backend/kv_attention.py, `_kv_scratch`); 0 when nothing was dequantized."""
+    buffers = [*ops.__dict__.get("_scratch", {}).values(), *ops.__dict__.get("_kv_scratch", {}).values()]
+    return sum(int(b.nbytes) for b in buffers)
+
+
+def held_bytes(model) -> dict:
+    """What a rank reports (RankReport.held): {"weights": held_weight_bytes, "dequant_scratch": its ops' buffers}."""
+    return {"weights": held_weight_bytes(model), "dequant_scratch": dequant_scratch_bytes(model.ops)}
+
+
+def weight_bytes_per_rank(config, arch, mesh, reports: list) -> tuple[float, int | None]:
+    """(weight bytes per rank, dequantize scratch bytes per rank or None): the bytes the ranks report they hold
+    (quantized weights counted as held, the largest rank's), else the float estimate from the parameter count."""
+    held = [r.held for r in reports if getattr(r, "held", None)]
+    if held:
+        return max(h["weights"] for h in held), max(h["dequant_scratch"] for h in held)
+    itemsize = 4 if config.model.dtype == "float32" else 2
+    return matmul_params(arch) * itemsize / (mesh.shape.tp * mesh.shape.pp), None
+
+
 def _stage_rows(reports: list, stages: int) -> list:
     """Per pipeline stage: the slowest rank's busy and waiting time; bubble = waiting / generation time."""
     rows = []
@@ -49,8 +101,7 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
     generated = sum(t.generated_tokens for t in lasts)
     generate_s = max(r.generate_s for r in reports)
     prefill_s = max((t.prefill_s for t in lasts), default=0.0)
-    itemsize = 4 if config.model.dtype == "float32" else 2
-    weight_bytes_per_rank = matmul_params(arch) * itemsize / (mesh.shape.tp * P)
+    weight_bytes, scratch_bytes = weight_bytes_per_rank(config, arch, mesh, reports)
     median_step = float(np.median(decode)) if decode.size else float("nan")
     stages = _stage_rows(reports, P)
     return {
@@ -70,7 +121,7 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
         "decode_steps": int(decode.size),
         "decode_step_ms": {"median": median_step * 1e3,
                            "p90": float(np.percentile(decode, 90)) * 1e3 if decode.size else float("nan")},
-        "decode_weight_bandwidth_GBps_per_rank": weight_bytes_per_rank / median_step / 1e9 if decode.size else 0.0,
+        "decode_weight_bandwidth_GBps_per_rank": weight_bytes / median_step / 1e9 if decode.size else 0.0,
         "flop_rate_GFLOPs_per_rank": (2 * matmul_params(arch) * (prompt_tokens + generated) / mesh.world.size
                                       / generate_s / 1e9) if generate_s > 0 else 0.0,
         "pipeline": {
@@ -86,7 +137,8 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
         },
         "memory": {
             "host_peak_rss_bytes_per_rank": max(getattr(r, "peak_rss_bytes", 0) for r in reports),
-            "weight_bytes_per_rank": int(weight_bytes_per_rank),
+            "weight_bytes_per_rank": int(weight_bytes),              # as held: quantized weights at their size
+            "dequant_scratch_bytes_per_rank": scratch_bytes,           # None when the ranks did not report it
         },
         "kv_cache": {
             "peak_device_bytes_per_rank": max(r.times.kv_peak_device_bytes for r in reports),

@@ -25,6 +25,7 @@ from .comm.nccl_group import NcclGroup, device_group_factory, resolve_comm
 from .comm.pipeline import StageLink
 from .config import load_config
 from .errors import HpcinferError
+from .metrics import held_bytes
 from .faults import Faults
 from .generate.graphs import check_comm as check_graphs_comm
 from .generate.progress import Progress
@@ -150,7 +151,7 @@ def _generate(config, mesh, model, job, stop: StopFlag, load_s: float, t_start: 
     rounds = BatchRounds(mesh.world, job.writer, progress, stop, is_writer)
     times, _ = generate_share(model, job, mesh, link, rounds.end)
     generate_s = time.perf_counter() - t0
-    gathered = mesh.world.gather_object(RankReport(mesh.coords, [], times, generate_s))
+    gathered = mesh.world.gather_object(RankReport(mesh.coords, [], times, generate_s, held=held_bytes(model)))
     if rounds.stopped:
         done = len(job.writer.done) if job.writer is not None else 0
         raise Stopped(f"stopped by {rounds.stopped} after the batch round in flight: {done} of {len(job.prompts)} "

@@ -329,3 +329,93 @@ def test_bad_dtype(tmp_path):
     _write_tiny_llama(path)
     with pytest.raises(CheckpointError, match="float64"):
         convert_gguf(str(path), str(tmp_path / "out.h5"), dtype="float64")
+
+
+# ------------------------------------------------------------------------------ synthetic Q4_1 / Q8_0 GGUF, kept
+
+def _write_quantized_llama(path: Path) -> None:
+    """One-layer Llama GGUF whose matrices are Q4_1 blocks and whose embedding is Q8_0 (SmolLM2's layout, at
+    D=64, 4 heads / 2 KV heads, F=128, V=64: every tp=2 shard holds whole blocks of 32)."""
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(1)
+    D, F, V, H, Hkv, hd = 64, 128, 64, 4, 2, 16
+    shapes = {"token_embd.weight": (V, D), "blk.0.attn_q.weight": (H * hd, D), "blk.0.attn_k.weight": (Hkv * hd, D),
+              "blk.0.attn_v.weight": (Hkv * hd, D), "blk.0.attn_output.weight": (D, H * hd),
+              "blk.0.ffn_gate.weight": (F, D), "blk.0.ffn_up.weight": (F, D), "blk.0.ffn_down.weight": (D, F)}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, D),
+                       (w.add_feed_forward_length, F), (w.add_head_count, H), (w.add_head_count_kv, Hkv),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 10000.0)):
+        add(value)
+    for name in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    for name, shape in shapes.items():
+        kind = gguf.GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
+        value = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        w.add_tensor(name, quantize(value, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def kept_tiny(tmp_path_factory):
+    """(plain conversion, --keep-quantized conversion) of the synthetic Q4_1 / Q8_0 file, through the CLI."""
+    from hpcinfer.cli import main
+
+    root = tmp_path_factory.mktemp("gguf-kept")
+    _write_quantized_llama(root / "tiny.gguf")
+    assert main(["convert", str(root / "tiny.gguf"), str(root / "plain.h5")]) == 0
+    assert main(["convert", str(root / "tiny.gguf"), str(root / "kept.h5"), "--keep-quantized"]) == 0
+    return root
+
+
+def test_keep_quantized_stores_q4_1_and_q8_0_blocks_that_dequantize_to_the_plain_conversion(kept_tiny):
+    from hpcinfer.model.arch import tensor_shapes as shapes_of
+    from hpcinfer.quant import storage
+
+    with open_checkpoint(str(kept_tiny / "plain.h5")) as plain, open_checkpoint(str(kept_tiny / "kept.h5")) as kept:
+        assert kept.quantization == "gguf" and plain.quantization == "none"
+        modes = {name: str(kept.file[f"{name}.q"].attrs["mode"]) for name in shapes_of(kept.arch)
+                 if storage.is_stored_quantized(kept.file, name)}
+        assert modes.pop("embed.tokens") == "q8_0"
+        assert set(modes.values()) == {"q4_1"} and len(modes) == 7
+        for name in shapes_of(kept.arch):
+            np.testing.assert_array_equal(kept.read(name), plain.read(name), err_msg=name)
+
+
+def test_kept_checkpoint_gives_identical_tokens_at_tp1_and_tp2(kept_tiny, run_cli, repo_root, tmp_path):
+    """The kept Q4_1 / Q8_0 blocks shard for tp=2 like dense weights: the same tokens as one rank, and as the
+    plain (dequantized) conversion."""
+    import json
+
+    (tmp_path / "p.jsonl").write_text('{"id": 0, "tokens": [1, 2, 3, 4, 5]}\n{"id": 1, "tokens": [60, 7]}\n')
+    outputs = {}
+    for key, ckpt, tp in (("kept1", "kept.h5", 1), ("kept2", "kept.h5", 2), ("plain1", "plain.h5", 1)):
+        config = tmp_path / f"{key}.toml"
+        config.write_text(f'[model]\ncheckpoint = "{kept_tiny / ckpt}"\n[parallel]\ntp = {tp}\n[generate]\n'
+                          f'prompts = "{tmp_path / "p.jsonl"}"\noutput = "{tmp_path / key}.jsonl"\n'
+                          f"max_new_tokens = 6\nignore_eos = true\n")
+        done = run_cli(["run", str(config)], n=tp, cwd=repo_root)
+        assert done.returncode == 0, done.stderr
+        outputs[key] = [json.loads(line)["output_tokens"] for line in (tmp_path / f"{key}.jsonl").open()]
+    assert [len(t) for t in outputs["kept1"]] == [6, 6]
+    assert outputs["kept2"] == outputs["kept1"] == outputs["plain1"]
+
+
+def test_keep_quantized_refuses_quantize_and_non_gguf_sources(kept_tiny, tmp_path, capsys):
+    """--keep-quantized with --quantize, and on a Hugging Face folder: a clear error, exit 2, no file written."""
+    from hpcinfer.cli import main
+
+    out = tmp_path / "x.h5"
+    assert main(["convert", str(kept_tiny / "tiny.gguf"), str(out), "--keep-quantized", "--quantize", "int4"]) == 2
+    assert "cannot be combined with --quantize" in capsys.readouterr().err
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert main(["convert", str(folder), str(out), "--keep-quantized"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-quantized applies to .gguf sources only" in err
+    assert not out.exists()

@@ -209,8 +209,12 @@ def test_conflicting_quantize_setting(llama):
     with open_checkpoint(llama["int4"]) as ckpt:
         with pytest.raises(ConfigError, match=r"quantize = 'int8' conflicts with .* already quantized as 'int4'"):
             storage.configure(ckpt, "int8")
-        storage.configure(ckpt, "int4")
-        storage.configure(ckpt, "none")
+        with pytest.raises(ConfigError, match=r"quantize_group = 64 conflicts with .* stored in groups of 16"):
+            storage.configure(ckpt, "int4")                                 # the default group, 64
+        storage.configure(ckpt, "int4", 16)
+        storage.configure(ckpt, "none", 64)                                 # "none": the stored groups as they are
+    with open_checkpoint(llama["int8"]) as ckpt:
+        storage.configure(ckpt, "int8", 64)                                 # int8: one group per row, any setting
     with open_checkpoint(llama["float32"]) as ckpt, pytest.raises(ConfigError, match="'int2' is not allowed"):
         storage.configure(ckpt, "int2")
 
@@ -254,6 +258,43 @@ def test_gguf_keep_quantized_dequantizes_to_the_plain_conversion(tmp_path):
             if storage.is_stored_quantized(b.file, name):
                 modes[name] = str(b.file[f"{name}.q"].attrs["mode"])
             assert np.array_equal(a.read(name), b.read(name)), name
-        assert "q4_1" in modes.values()
+        assert modes["embed.tokens"] == "q8_0" and "q4_1" in modes.values()
     tokens_plain = generate(load_model(plain), [[1, 2, 3]], 4)
     assert generate(load_model(kept), [[1, 2, 3]], 4) == tokens_plain
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "q4_1"])
+def test_linear_q_memory_is_one_reused_tile(mode, monkeypatch):
+    """NumpyOps.linear_q holds one float32 tile (plus a uint8 nibble tile for 4 bits) between calls, never a float
+    copy of the weight: a repeated call allocates less than one tile beyond its output, and the scratch does not
+    grow across calls."""
+    import tracemalloc
+
+    import hpcinfer.backend.numpy_ops as numpy_ops
+
+    monkeypatch.setattr(numpy_ops, "QUANT_TILE", 128)
+    w = _weights(2048, 256)                                         # float32 2 MiB; a 128-row tile: 128 KiB
+    qt, x = quantize(w, mode, 64), np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32)
+    ops, tile = NumpyOps(), 128 * 256 * 4
+    ops.linear_q(x, qt)
+    held = {key: b.nbytes for key, b in ops._scratch.items()}
+    assert sum(held.values()) <= tile + (tile // 4 if qt.bits == 4 else 0)
+    tracemalloc.start()
+    try:
+        y = ops.linear_q(x, qt)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < tile + y.nbytes and peak < w.nbytes / 8
+    ops.linear_q(x[:1], qt)
+    assert {key: b.nbytes for key, b in ops._scratch.items()} == held
+
+
+def test_stored_checkpoint_shard_that_splits_a_group_is_refused(llama):
+    """Reading a block of input columns of a stored int4 g16 matrix whose edge falls inside a group: a
+    CheckpointError naming the tensor and asking for another tp degree."""
+    with open_checkpoint(llama["int4"]) as ckpt:
+        assert storage.read_quantized(ckpt.file, "layers.0.mlp.down.weight", cols=slice(48, 96)).shape == (64, 48)
+        with pytest.raises(CheckpointError, match=r"tensor 'layers.0.mlp.down.weight': group size 16 .*40:80.*"
+                                                  r"use a tp degree whose shards hold whole groups"):
+            storage.read_quantized(ckpt.file, "layers.0.mlp.down.weight", cols=slice(40, 80))

@@ -104,17 +104,47 @@ def quant_of(ckpt):
 
 def configure(ckpt, mode: str, group_size: int = DEFAULT_GROUP) -> None:
     """Apply `[model] quantize`: a float checkpoint is quantized layer by layer while it loads; a quantized one
-    keeps its own format, and asking for a different one is an error."""
+    keeps its own format. On a quantized checkpoint, quantize = "none" (the default) uses the stored weights as they
+    are, whatever quantize_group says; naming the stored mode is accepted too, but then an int4 quantize_group must
+    equal the stored group size; any other mode is an error."""
     if mode not in LOAD_MODES:
         raise ConfigError(f"[model] quantize = {mode!r} is not allowed; choose one of {', '.join(LOAD_MODES)}")
     stored = getattr(ckpt, "quantization", "none")
-    if stored != "none":
-        if mode not in ("none", stored):
-            raise ConfigError(f"[model] quantize = {mode!r} conflicts with checkpoint '{ckpt.path}', which is "
-                              f"already quantized as {stored!r}; set quantize = \"none\" or \"{stored}\", or "
-                              f"convert the float model again")
-        return
-    ckpt.load_quant = None if mode == "none" else (mode, group_size)
+    if stored == "none":
+        ckpt.load_quant = None if mode == "none" else (mode, group_size)
+    elif mode != "none":
+        _check_stored_mode(ckpt, stored, mode, group_size)
+
+
+def _check_stored_mode(ckpt, stored: str, mode: str, group_size: int) -> None:
+    """`[model] quantize` = `mode` (not "none") on a checkpoint stored quantized as `stored`: allowed only when it
+    names the stored format exactly."""
+    if stored == "gguf":
+        raise ConfigError(f"[model] quantize = {mode!r} conflicts with checkpoint '{ckpt.path}', which keeps the "
+                          f"GGUF file's own quantized blocks (q4_1 / q8_0, `convert --keep-quantized`); set "
+                          f"quantize = \"none\" to run them as they are, or convert the GGUF file again without "
+                          f"--keep-quantized (optionally with --quantize {mode})")
+    if mode != stored:
+        raise ConfigError(f"[model] quantize = {mode!r} conflicts with checkpoint '{ckpt.path}', which is already "
+                          f"quantized as {stored!r}; set quantize = \"none\" or \"{stored}\", or convert the float "
+                          f"model again")
+    stored_group = stored_group_size(ckpt)
+    if mode == "int4" and stored_group is not None and group_size != stored_group:
+        raise ConfigError(f"[model] quantize_group = {group_size} conflicts with checkpoint '{ckpt.path}', whose "
+                          f"int4 weights are stored in groups of {stored_group}; set quantize_group = "
+                          f"{stored_group}, or quantize = \"none\" (the stored groups are used as they are)")
+
+
+def stored_group_size(ckpt) -> int | None:
+    """The group size of the checkpoint's stored quantized matrices (one per checkpoint: convert writes every
+    matrix with the same --group-size), None when it stores none."""
+    from ..model.arch import tensor_shapes
+
+    file = getattr(ckpt, "file", None)
+    for name in tensor_shapes(ckpt.arch) if file is not None else ():
+        if is_stored_quantized(file, name) and str(file[f"{name}.q"].attrs["mode"]) == "int4":
+            return int(file[f"{name}.q"].attrs["group_size"])
+    return None
 
 
 def load_matrix(ckpt, name: str, rows: slice | None = None, cols: slice | None = None, row_max=None):
