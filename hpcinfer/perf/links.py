@@ -46,7 +46,8 @@ def measure_ranks(comm, tmp_dir: str, size: int = 64 * 2**20):
         comm.Barrier()
         profile = measure(tmp_dir, size=size)
     latency = ping_pong(comm, 8, 200)
-    bandwidth = 16 * 2**20 / ping_pong(comm, 16 * 2**20, 10)
+    round_trip = ping_pong(comm, 16 * 2**20, 10)                        # 0 on ranks >= 2, which do not play
+    bandwidth = 16 * 2**20 / round_trip if round_trip > 0 else 0.0
     flops = comm.allreduce(profile.device_flops, op=_min())
     memory_bw = comm.allreduce(profile.device_bandwidth, op=_min())
     if comm.rank != 0:
