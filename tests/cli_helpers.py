@@ -195,11 +195,16 @@ def tiny_llama_job(root, prompt_lengths, seed: int = 3) -> Path:
 
 
 def run_tiny_llama(run_cli, cwd, root, out, n, sets, max_new: int, metrics=None) -> str:
-    """`hpcinfer run` of the `tiny_llama_job` in `root` on n ranks with these --set overrides, EOS ignored, writing
-    `out` (and the metrics to `metrics` if given); asserts exit 0 and returns the output's text."""
+    """`hpcinfer run` of the `tiny_llama_job` in `root` (run_job with its checkpoint and prompts)."""
     root = Path(root)
-    config = root / "job.toml"
-    config.write_text(f'[model]\ncheckpoint = "{root / "m.h5"}"\n[generate]\nprompts = "{root / "p.jsonl"}"\n'
+    return run_job(run_cli, cwd, root / "m.h5", root / "p.jsonl", out, n, sets, max_new, metrics)
+
+
+def run_job(run_cli, cwd, checkpoint, prompts, out, n, sets, max_new: int, metrics=None) -> str:
+    """`hpcinfer run` of `checkpoint` on the token prompts file on n ranks with these --set overrides, EOS ignored,
+    writing `out` (and the metrics to `metrics` if given); asserts exit 0 and returns the output's text."""
+    config = Path(out).with_suffix(".toml")
+    config.write_text(f'[model]\ncheckpoint = "{checkpoint}"\n[generate]\nprompts = "{prompts}"\n'
                       f'output = "{out}"\nmax_new_tokens = {max_new}\nignore_eos = true\n'
                       + (f'metrics = "{metrics}"\n' if metrics is not None else ""))
     args = ["run", str(config)] + [a for s in sets for a in ("--set", s)]

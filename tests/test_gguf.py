@@ -392,15 +392,13 @@ def test_kept_checkpoint_gives_identical_tokens_at_tp1_and_tp2(kept_tiny, run_cl
     import json
 
     (tmp_path / "p.jsonl").write_text('{"id": 0, "tokens": [1, 2, 3, 4, 5]}\n{"id": 1, "tokens": [60, 7]}\n')
+    from cli_helpers import run_job
+
     outputs = {}
     for key, ckpt, tp in (("kept1", "kept.h5", 1), ("kept2", "kept.h5", 2), ("plain1", "plain.h5", 1)):
-        config = tmp_path / f"{key}.toml"
-        config.write_text(f'[model]\ncheckpoint = "{kept_tiny / ckpt}"\n[parallel]\ntp = {tp}\n[generate]\n'
-                          f'prompts = "{tmp_path / "p.jsonl"}"\noutput = "{tmp_path / key}.jsonl"\n'
-                          f"max_new_tokens = 6\nignore_eos = true\n")
-        done = run_cli(["run", str(config)], n=tp, cwd=repo_root)
-        assert done.returncode == 0, done.stderr
-        outputs[key] = [json.loads(line)["output_tokens"] for line in (tmp_path / f"{key}.jsonl").open()]
+        text = run_job(run_cli, repo_root, kept_tiny / ckpt, tmp_path / "p.jsonl", tmp_path / f"{key}.jsonl", tp,
+                       [f"parallel.tp={tp}"], 6)
+        outputs[key] = [json.loads(line)["output_tokens"] for line in text.splitlines()]
     assert [len(t) for t in outputs["kept1"]] == [6, 6]
     assert outputs["kept2"] == outputs["kept1"] == outputs["plain1"]
 

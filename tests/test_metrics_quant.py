@@ -73,28 +73,19 @@ def test_summary_uses_the_reported_bytes_and_falls_back_to_the_estimate(llama):
     assert scratch is None and np.isclose(estimate, matmul_params(arch) * 4 / 2)
 
 
-def _ranks_report_held_bytes() -> bool:
-    from hpcinfer.job import RankReport
-
-    return "held" in getattr(RankReport, "__dataclass_fields__", {})
-
-
-@pytest.mark.skipif(not _ranks_report_held_bytes(), reason="RankReport has no `held` field yet (runtime wiring)")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_hpcinfer_run_metrics_report_quantized_weight_bytes(llama, run_cli, repo_root, tmp_path, tp):
     """`hpcinfer run` of the int4 g16 checkpoint: memory.weight_bytes_per_rank is the checkpoint's quantized bytes
     split over the ranks (not the float32 size), and the dequantize scratch is reported beside it."""
     import json
 
+    from cli_helpers import run_job
+
     (tmp_path / "p.jsonl").write_text('{"id": 0, "tokens": [1, 2, 3]}\n{"id": 1, "tokens": [4, 5]}\n')
     memory = {}
     for name in ("f32", "int4"):
-        config = tmp_path / f"{name}.toml"
-        config.write_text(f'[model]\ncheckpoint = "{llama / name}.h5"\n[parallel]\ntp = {tp}\n[generate]\n'
-                          f'prompts = "{tmp_path / "p.jsonl"}"\noutput = "{tmp_path / name}.jsonl"\n'
-                          f'metrics = "{tmp_path / name}.json"\nmax_new_tokens = 3\nignore_eos = true\n')
-        done = run_cli(["run", str(config)], n=tp, cwd=repo_root)
-        assert done.returncode == 0, done.stderr
+        run_job(run_cli, repo_root, f"{llama / name}.h5", tmp_path / "p.jsonl", tmp_path / f"{name}.jsonl", tp,
+                [f"parallel.tp={tp}"], 3, metrics=tmp_path / f"{name}.json")
         memory[name] = json.loads((tmp_path / f"{name}.json").read_text())["memory"]
     quantized = checkpoint_tensor_bytes(llama / "int4.h5")
     assert memory["int4"]["weight_bytes_per_rank"] < 0.3 * memory["f32"]["weight_bytes_per_rank"]
