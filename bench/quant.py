@@ -12,6 +12,7 @@ Modes (the float mode is float32 or float16 by backend):
   float          models/smollm2.h5 (made by `make model`), loaded in the backend's float dtype
   int8           `hpcinfer convert <gguf> --quantize int8` (per-row symmetric int8, stored quantized)
   int4-g64       `hpcinfer convert <gguf> --quantize int4 --group-size 64`
+  asym8-g64      `hpcinfer convert <gguf> --quantize asym8 --group-size 64` (group-wise asymmetric 8-bit)
   q4_1-kept      `hpcinfer convert <gguf> --keep-quantized` (GGUF Q4_1 blocks as they are, groups of 32)
   float+kv-int4, int4-g64+kv-int4   the same weights with `[model] kv_cache = "int4"` (groups of 64)
   float+kv-int8  `[model] kv_cache = "int8"` (groups of 64)
@@ -54,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 H5 = REPO / "models" / "smollm2.h5"
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERT = {"int8": ["--quantize", "int8"], "int4-g64": ["--quantize", "int4", "--group-size", "64"],
-           "q4_1-kept": ["--keep-quantized"]}
+           "asym8-g64": ["--quantize", "asym8", "--group-size", "64"], "q4_1-kept": ["--keep-quantized"]}
 FLOAT = {"numpy": "float32", "cupy": "float16"}          # the float baseline (and the storage dtype) per backend
 BATCHES = (1, 16)
 KV_GROUP = 64
@@ -63,7 +64,7 @@ KV_GROUP = 64
 def modes_for(backend: str) -> tuple:
     """Every mode of a backend; the first is the float baseline the ratios divide by."""
     f = FLOAT[backend]
-    return (f, "int8", "int4-g64", "q4_1-kept", f"{f}+kv-int4", "int4-g64+kv-int4", f"{f}+kv-int8",
+    return (f, "int8", "int4-g64", "asym8-g64", "q4_1-kept", f"{f}+kv-int4", "int4-g64+kv-int4", f"{f}+kv-int8",
             f"{f}+topk-0.1", "int4-g64+kv-int4+topk-0.1")
 
 

@@ -20,7 +20,7 @@ from .model.transformer import Decoder
 
 def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", backend: str = "numpy",
                quantize: str = "none", group_size: int = 64) -> Decoder:
-    """quantize: "int8" | "int4" quantizes a float checkpoint while loading (docs/quantization.md)."""
+    """quantize: "int8" | "int4" | "asym8" quantizes a float checkpoint while loading (docs/quantization.md)."""
     from .quant.storage import configure
 
     with open_checkpoint(path) as ckpt:

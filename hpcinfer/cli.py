@@ -23,10 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("output", help="output .h5 file")
     convert.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                          help="storage dtype (default float32)")
-    convert.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                         help="store the matrices quantized (docs/quantization.md; default none)")
-    convert.add_argument("--group-size", type=int, default=64, help="int4 group size along the input dimension "
-                         "(default 64)")
+    convert.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "asym8"],
+                         help="store the matrices quantized: int8 (symmetric per output channel), int4 / asym8 "
+                              "(group-wise asymmetric 4 / 8 bits) (docs/quantization.md; default none)")
+    convert.add_argument("--group-size", type=int, default=64, help="int4 / asym8 group size along the input "
+                         "dimension (default 64)")
     convert.add_argument("--keep-quantized", action="store_true",
                          help="GGUF: keep Q4_1 / Q8_0 matrices as they are instead of dequantizing them")
     inspect = sub.add_parser("inspect", help="print a checkpoint's architecture and tensors, and check it")
@@ -72,10 +73,10 @@ def _offload_parsers(sub) -> None:
                            "a100-40gb-pcie4, h100-80gb); default: measure this machine")
     plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                       help="weight and cache dtype (default: the checkpoint's; float32 for a preset)")
-    plan.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+    plan.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "asym8"],
                       help="plan for weights quantized at load ([model] quantize; a quantized checkpoint is "
                            "counted as stored): the quantized bytes are what moves")
-    plan.add_argument("--quantize-group", type=int, default=64, help="int4 group size (default 64)")
+    plan.add_argument("--quantize-group", type=int, default=64, help="int4 / asym8 group size (default 64)")
     plan.add_argument("--kv-cache", default="none", choices=["none", "int8", "int4"],
                       help="plan for a quantized KV cache ([model] kv_cache): its bytes are what the cache holds "
                            "and moves")

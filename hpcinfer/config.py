@@ -53,9 +53,10 @@ class ModelSection:
         lambda v: _preset_check(v)))
     dtype: str = field(default="float32", metadata=_meta("weight storage dtype on the device", choices=DTYPES))
     quantize: str = field(default="none", metadata=_meta(
-        "quantize a float checkpoint's matrices while loading (docs/quantization.md)",
-        choices=("none", "int8", "int4")))
-    quantize_group: int = field(default=64, metadata=_meta("int4 group size along each matrix's input dimension",
+        "quantize a float checkpoint's matrices while loading: int8 (symmetric per output channel), int4 / asym8 "
+        "(group-wise asymmetric 4 / 8 bits; docs/quantization.md)",
+        choices=("none", "int8", "int4", "asym8")))
+    quantize_group: int = field(default=64, metadata=_meta("int4 / asym8 group size along each matrix's input dimension",
                                                            _positive))
     kv_cache: str = field(default="none", metadata=_meta(
         "KV cache storage: none (float32), int8 or int4 (group-wise asymmetric along head_dim; docs/quantization.md)",

@@ -53,7 +53,7 @@ def convert_gguf(src: str, out: str, dtype: str = "float32", quantize: str = "no
                  keep_quantized: bool = False) -> ModelArch:
     """Convert the GGUF file `src` into the checkpoint `out` (written atomically); return its architecture.
     keep_quantized: Q4_1 and Q8_0 matrices are stored as they are (quant/formats.py, modes q4_1 and q8_0), the rest
-    dequantized; quantize = "int8" | "int4" re-quantizes the dequantized matrices instead."""
+    dequantized; quantize = "int8" | "int4" | "asym8" re-quantizes the dequantized matrices instead."""
     if keep_quantized and quantize != "none":
         raise CheckpointError("--keep-quantized keeps the GGUF's own blocks; it cannot be combined with --quantize")
     gguf_file = GgufFile(src)

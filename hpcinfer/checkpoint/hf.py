@@ -29,7 +29,7 @@ SUPPORTED = ("gpt2", "opt", "gpt_neox", "llama", "mixtral", "bert", "roberta", "
 def convert_hf(folder: str, out: str, dtype: str = "float32", quantize: str = "none",
                group_size: int = 64) -> ModelArch:
     """Convert the Hugging Face model in `folder` into the checkpoint `out` stored as `dtype` (matrices quantized
-    when quantize = "int8" | "int4", docs/quantization.md); return its arch."""
+    when quantize = "int8" | "int4" | "asym8", docs/quantization.md); return its arch."""
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
     folder = os.fspath(folder)

@@ -11,7 +11,7 @@ import h5py
 
 from ..errors import CheckpointError
 from ..model.arch import ModelArch, tensor_shapes
-from ..quant.formats import DEFAULT_GROUP, QuantError, quantize
+from ..quant.formats import DEFAULT_GROUP, LOAD_MODES, QuantError, quantize
 from ..quant.storage import QUANTIZATIONS, is_quantizable, is_row_parallel, write_quantized
 from .format import DTYPES, FORMAT_NAME, FORMAT_VERSION, to_storage
 from .integrity import seal
@@ -27,8 +27,9 @@ class CheckpointWriter:
 
     def __init__(self, path: str, arch: ModelArch, dtype: str = "float32", quantize: str = "none",
                  group_size: int = DEFAULT_GROUP):
-        """quantize: "int8" | "int4" stores every quantizable matrix (quant/storage.py) in that mode as `add` gets
-        it; "gguf" marks a file whose matrices come quantized through `add_quantized`."""
+        """quantize: "int8" | "int4" | "asym8" stores every quantizable matrix (quant/storage.py) in that mode
+        (group_size: int4 / asym8) as `add` gets it; "gguf" marks a file whose matrices come quantized through
+        `add_quantized`."""
         if dtype not in DTYPES:
             raise CheckpointError(f"--dtype {dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
         if quantize not in QUANTIZATIONS:
@@ -59,7 +60,7 @@ class CheckpointWriter:
             raise CheckpointError(f"tensor '{name}' has shape {tuple(array.shape)}, expected {self.expected[name]}")
         if name in self.written:
             raise CheckpointError(f"tensor '{name}' written twice")
-        if self.quantize in ("int8", "int4") and is_quantizable(name):
+        if self.quantize != "none" and self.quantize in LOAD_MODES and is_quantizable(name):
             compute = array.T if is_row_parallel(name) else array            # [out, in]
             try:
                 qt = quantize(compute, self.quantize, self.group_size)

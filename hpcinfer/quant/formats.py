@@ -29,7 +29,8 @@ import numpy as np
 
 F32 = np.float32
 MODES = ("int8", "int4", "asym8", "q4_1", "q8_0")
-LOAD_MODES = ("none", "int8", "int4")                        # what `[model] quantize` and `convert --quantize` take
+LOAD_MODES = ("none", "int8", "int4", "asym8")               # what `[model] quantize` and `convert --quantize` take
+GROUPED_MODES = ("int4", "asym8")                             # load modes whose group size is configurable
 DEFAULT_GROUP = 64
 _SPEC = {"int8": (8, True), "int4": (4, False), "asym8": (8, False), "q4_1": (4, False), "q8_0": (8, True)}
 
@@ -71,6 +72,12 @@ class QuantizedTensor:
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise QuantError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def spec(mode: str) -> tuple[int, bool]:
+    """(bits per value, symmetric) of a mode."""
+    check_mode(mode)
+    return _SPEC[mode]
 
 
 def group_for(mode: str, in_size: int, group_size: int) -> int:

@@ -17,10 +17,10 @@ import re
 import numpy as np
 
 from ..errors import CheckpointError, ConfigError
-from .formats import (DEFAULT_GROUP, LOAD_MODES, QuantError, QuantizedTensor, group_for, quantize, slice_cols,
-                      slice_rows)
+from .formats import (DEFAULT_GROUP, GROUPED_MODES, LOAD_MODES, QuantError, QuantizedTensor, group_for, quantize,
+                      slice_cols, slice_rows, spec)
 
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")            # root attribute `quantization`
+QUANTIZATIONS = LOAD_MODES + ("gguf",)                       # root attribute `quantization`
 _LAYER = re.compile(r"^layers\.\d+\.(attn\.[qkvo]|mlp\.(gate|up|down))\.weight$")
 _ROW_PARALLEL = (".attn.o.weight", ".mlp.down.weight")
 
@@ -79,10 +79,9 @@ def read_quantized(file, name: str, rows: slice | None = None, cols: slice | Non
 
 def quantized_nbytes(mode: str, rows: int, cols: int, group_size: int = DEFAULT_GROUP) -> int:
     """Bytes of a QuantizedTensor [rows, cols] of `mode` (q, scale and min), without making one."""
-    group = group_for(mode, cols, group_size)
-    groups = rows * (cols // group)
-    q = rows * cols // 2 if mode in ("int4", "q4_1") else rows * cols
-    return q + groups * 4 * (1 if mode in ("int8", "q8_0") else 2)               # float32 scale (and min)
+    groups = rows * (cols // group_for(mode, cols, group_size))
+    bits, symmetric = spec(mode)
+    return rows * cols * bits // 8 + groups * 4 * (1 if symmetric else 2)       # float32 scale (and min)
 
 
 def quant_of(ckpt):
@@ -105,8 +104,8 @@ def quant_of(ckpt):
 def configure(ckpt, mode: str, group_size: int = DEFAULT_GROUP) -> None:
     """Apply `[model] quantize`: a float checkpoint is quantized layer by layer while it loads; a quantized one
     keeps its own format. On a quantized checkpoint, quantize = "none" (the default) uses the stored weights as they
-    are, whatever quantize_group says; naming the stored mode is accepted too, but then an int4 quantize_group must
-    equal the stored group size; any other mode is an error."""
+    are, whatever quantize_group says; naming the stored mode is accepted too, but then a group-wise (int4, asym8)
+    quantize_group must equal the stored group size; any other mode is an error."""
     if mode not in LOAD_MODES:
         raise ConfigError(f"[model] quantize = {mode!r} is not allowed; choose one of {', '.join(LOAD_MODES)}")
     stored = getattr(ckpt, "quantization", "none")
@@ -129,9 +128,9 @@ def _check_stored_mode(ckpt, stored: str, mode: str, group_size: int) -> None:
                           f"quantized as {stored!r}; set quantize = \"none\" or \"{stored}\", or convert the float "
                           f"model again")
     stored_group = stored_group_size(ckpt)
-    if mode == "int4" and stored_group is not None and group_size != stored_group:
+    if mode in GROUPED_MODES and stored_group is not None and group_size != stored_group:
         raise ConfigError(f"[model] quantize_group = {group_size} conflicts with checkpoint '{ckpt.path}', whose "
-                          f"int4 weights are stored in groups of {stored_group}; set quantize_group = "
+                          f"{mode} weights are stored in groups of {stored_group}; set quantize_group = "
                           f"{stored_group}, or quantize = \"none\" (the stored groups are used as they are)")
 
 
@@ -142,7 +141,7 @@ def stored_group_size(ckpt) -> int | None:
 
     file = getattr(ckpt, "file", None)
     for name in tensor_shapes(ckpt.arch) if file is not None else ():
-        if is_stored_quantized(file, name) and str(file[f"{name}.q"].attrs["mode"]) == "int4":
+        if is_stored_quantized(file, name) and str(file[f"{name}.q"].attrs["mode"]) in GROUPED_MODES:
             return int(file[f"{name}.q"].attrs["group_size"])
     return None
 
