@@ -135,6 +135,10 @@ class MoESection:
     capacity_factor: float | None = field(default=None, metadata=_meta(
         "expert capacity factor (> 0); unset: the checkpoint's (0 there: no capacity limit)",
         lambda v: (v > 0, "must be > 0")))
+    dispatch: str = field(default="indexed", metadata=_meta(
+        "token dispatch to experts: indexed (gather/scatter by index tables, the fast path) or one-hot (the "
+        "GShard / DeepSpeed one-hot einsum formulation, kept as the benchmark baseline; docs/moe.md)",
+        choices=MOE_DISPATCH))
 
 
 @dataclass(frozen=True)

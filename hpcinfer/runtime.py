@@ -216,7 +216,7 @@ def _groups(config, mesh, wrap) -> Groups:
     numpy). Every rank wraps the same groups in the same order: building an NCCL communicator is collective."""
     par = config.parallel
     moe = MoELayout(par.ep, par.expert_tp, config.moe.all_to_all, mesh.node_size_in(mesh.stage_members()),
-                    mesh.node_size_in(mesh.dp_members()))
+                    mesh.node_size_in(mesh.dp_members()), config.moe.dispatch)
     return Groups(tp=wrap(mesh.tp), pp=wrap(mesh.pp), stage=wrap(mesh.stage), dp=wrap(mesh.dp), moe=moe)
 
 

@@ -125,6 +125,7 @@ def test_cells_skip_what_cannot_run_and_add_the_naive_paths(tmp_path):
     assert not any(c.variant != "hpcinfer" for c in cells.values())           # a dense model has no naive path
     moe_cells = plan_cells(cfg, moe, PRESETS["tiny-moe"])
     assert [(c.variant, c.extra) for c in moe_cells] == [("hpcinfer", {}),
+                                                         ("one-hot MoE dispatch", {"moe": {"dispatch": "one-hot"}}),
                                                          ("flat all-to-all", {"moe": {"all_to_all": "flat"}})]
 
 
@@ -174,6 +175,7 @@ def test_generated_job_configs_pass_the_real_config_loader(tmp_path):
                 assert job.offload.schedule == "row" and job.offload.cache_gpu == 100.0
             if cell.variant == "flat all-to-all":
                 assert job.moe.all_to_all == "flat"
+            assert job.moe.dispatch == ("one-hot" if cell.variant == "one-hot MoE dispatch" else "indexed")
 
 
 def test_toml_text_round_trips_and_refuses_tables():
@@ -277,6 +279,31 @@ def test_report_from_the_stored_results(tmp_path):
     assert all(Path(p).stat().st_size > 1000 and f"]({Path(p).name})" in text for p in plots)
 
 
+def test_report_shows_the_one_hot_dispatch_ratio():
+    """A stored result with a one-hot MoE dispatch cell beside hpcinfer's: the report's baselines table gives its
+    ratios, and the one-hot dispatch is no longer among the paths not measured."""
+    from hpcinfer.bench.run import not_applicable
+
+    result = copy.deepcopy(json.loads(FIXTURE.read_text()))
+    suite = next(s for s in result["suites"] if s["model"]["moe"])
+    ours = next(c for c in suite["cells"] if c["status"] == "ok" and c["variant"] == "hpcinfer")
+    slow = copy.deepcopy(ours) | {"variant": "one-hot MoE dispatch"}
+    slow["figures"] = fig.medians([fig.from_metrics(metrics(prefill_s=1.5, median_ms=50.0, tps=40.0), 1, None)])
+    suite["cells"].append(slow)
+    ratios = fig.ratios(slow["figures"], ours["figures"])
+    suite["baselines"].append({"name": "one-hot MoE dispatch", "kind": "naive", "layout": ours["layout"]["name"],
+                               "batch": ours["batch"], "status": "ok", "ratios": ratios,
+                               "checks": {"min": 3, "length": 3}})
+    result["not_applicable"] = not_applicable(result["machine"])
+    validate(result)
+    text = markdown(result, [])
+    assert ratios["per_token_ms_median"] > 1
+    assert (f"| one-hot MoE dispatch | {ours['layout']['name']} | {ours['batch']} | "
+            f"{ratios['prompt_latency_ms']:.2f}× | {ratios['per_token_ms_median']:.2f}× | "
+            f"{ratios['tokens_per_s']:.2f}× | 3/3 |") in text
+    assert "- one-hot MoE dispatch:" not in text.split("## Not measured here")[1]
+
+
 def test_report_without_plots_and_with_warnings():
     result = copy.deepcopy(json.loads(FIXTURE.read_text()))
     result["warnings"] = ["other processes were busy"]
@@ -305,10 +332,13 @@ def test_bench_end_to_end_on_one_and_two_ranks(tmp_path, run_cli):
     dense, moe = result["suites"]
     status = {(c["layout"]["name"], c["variant"]): c["status"] for c in dense["cells"] + moe["cells"]}
     assert status == {("1 rank", "hpcinfer"): "ok", ("dp=2", "hpcinfer"): "ok", ("ep=2", "hpcinfer"): "ok",
-                      ("ep=2", "flat all-to-all"): "ok"}
+                      ("ep=2", "flat all-to-all"): "ok", ("ep=2", "one-hot MoE dispatch"): "ok"}
     assert {c["figures"]["mesh"]["world"] for c in dense["cells"] if c["status"] == "ok"} == {1, 2}
-    (flat,) = [b for b in moe["baselines"] if b["kind"] == "naive"]
-    assert flat["checks"]["min"] == flat["checks"]["length"] == 3          # flat and pcc give the same tokens
+    naive = {b["name"]: b for b in moe["baselines"] if b["kind"] == "naive"}
+    assert sorted(naive) == ["flat all-to-all", "one-hot MoE dispatch"]
+    for b in naive.values():                     # flat and pcc, one-hot and indexed: the same tokens
+        assert b["checks"]["min"] == b["checks"]["length"] == 3, b["name"]
+    assert "one-hot MoE dispatch" not in [n["name"] for n in result["not_applicable"]]
     assert results.with_suffix(".md").is_file()
     assert len(list((tmp_path / "out").glob("bench-*.png"))) == len(PLOTS)
 

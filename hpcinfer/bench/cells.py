@@ -27,7 +27,8 @@ class Cell:
     suite: Suite
     layout: Layout
     batch: int
-    variant: str                 # "hpcinfer" or a naive baseline: "flat all-to-all", "row-by-row offload"
+    variant: str                 # "hpcinfer" or a naive baseline: "one-hot MoE dispatch", "flat all-to-all",
+                                 # "row-by-row offload"
     extra: dict                  # {section: {key: value}} on top of the suite's config (the variant's switch)
     moe: bool = False            # an MoE model: data-parallel replicas split every batch (they step together)
     skip: str = ""               # why the cell does not run ("" = it runs)

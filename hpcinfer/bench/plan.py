@@ -13,6 +13,7 @@ from .suites import BenchConfig, Layout, Suite
 
 DEFAULT_ALL_TO_ALL = "pcc+hierarchical"      # docs/config.md [moe] all_to_all
 ROW_OFFLOAD = {"schedule": "row", "cache_gpu": 100.0, "cache_cpu": 0.0, "cpu_attention": False}
+ONE_HOT = {"moe": {"dispatch": "one-hot"}}   # GShard / DeepSpeed one-hot einsum gating (backend/moe_onehot.py)
 
 
 def model_arch(suite: Suite):
@@ -56,6 +57,8 @@ def batch_skip(lay: Layout, batch: int, moe: bool) -> str:
 def naive_variants(suite: Suite, lay: Layout, moe: bool) -> dict:
     """{variant name: config sections} of the naive paths that apply to this layout."""
     out = {}
+    if moe and not suite.offload:
+        out["one-hot MoE dispatch"] = {name: dict(table) for name, table in ONE_HOT.items()}
     if moe and lay.ranks > 1 and lay.ep > 1 and (lay.all_to_all or DEFAULT_ALL_TO_ALL) != "flat":
         out["flat all-to-all"] = {"moe": {"all_to_all": "flat"}}
     if suite.offload and suite.offload.get("schedule") != "row":

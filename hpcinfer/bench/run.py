@@ -220,9 +220,7 @@ def not_applicable(machine: dict) -> list:
     graphs = cpu if not machine["gpus"] else (
         "[runtime] cuda_graphs switches them (off by default, so these cells ran without them); "
         "graphs on against off is not a bench variant yet: bench/quant.py --cuda-graphs times both")
-    return [{"name": "no fusion", "reason": fusion}, {"name": "no CUDA graphs", "reason": graphs},
-            {"name": "one-hot MoE dispatch", "reason": "not a path of the model (gating uses index tables); "
-                                                       "measured against the table/scan path by bench/moe.py (a)"}]
+    return [{"name": "no fusion", "reason": fusion}, {"name": "no CUDA graphs", "reason": graphs}]
 
 
 def run_bench(cfg: BenchConfig, out: str, keep: bool = False) -> dict:

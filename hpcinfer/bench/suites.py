@@ -2,8 +2,8 @@
 
 A suite is a workload (prompt length, generated tokens, batch sizes) run on every layout of the config that fits
 it; each (suite, layout, batch, variant) is one cell = one `hpcinfer run` job. Variants are hpcinfer itself and
-the naive paths kept for comparison: "flat" all-to-all for MoE layouts with an exchange, "row" offload for the
-offload suite.
+the naive paths kept for comparison: "one-hot" MoE dispatch for an MoE model (outside the offload suite), "flat"
+all-to-all for MoE layouts with an exchange, "row" offload for the offload suite.
 """
 
 from __future__ import annotations

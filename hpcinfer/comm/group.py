@@ -160,10 +160,11 @@ class Groups:
 
 class MoELayout:
     """Expert placement over the stage's ranks: stage rank q holds expert-parallel index q // expert_tp and
-    expert slice q % expert_tp. all_to_all: flat | hierarchical | pcc | pcc+hierarchical."""
+    expert slice q % expert_tp. all_to_all: flat | hierarchical | pcc | pcc+hierarchical. dispatch: indexed (index
+    tables, backend/moe_ops.py) | one-hot (the GShard einsum baseline, backend/moe_onehot.py)."""
 
     def __init__(self, ep: int = 1, expert_tp: int = 1, all_to_all: str = "flat", stage_ranks_per_node: int = 1,
-                 dp_ranks_per_node: int = 1):
-        self.ep, self.expert_tp, self.all_to_all = ep, expert_tp, all_to_all
+                 dp_ranks_per_node: int = 1, dispatch: str = "indexed"):
+        self.ep, self.expert_tp, self.all_to_all, self.dispatch = ep, expert_tp, all_to_all, dispatch
         self.stage_ranks_per_node = stage_ranks_per_node      # node size in stage-group ranks (hierarchical)
         self.dp_ranks_per_node = dp_ranks_per_node            # node size in dp-group ranks (pcc+hierarchical)

@@ -39,20 +39,26 @@ class Dispatcher:
     def __call__(self, x, routing, experts, rows=None):          # x [T, D] -> combined expert output [T, D]
         if rows is None:                                         # rows: x permuted by the routing already
             rows = self.ops.permute(x, routing)                  # [R, D], grouped by expert
+        out = self.run_experts(rows, routing.expert_of_row, routing.expert_counts, experts)   # [R, D]
+        return self.ops.unpermute(out, routing, x.shape[0])
+
+    def run_experts(self, rows, expert_of_row, expert_counts, experts):
+        """rows [R, D] grouped by expert, expert_of_row [R] (in `ops.xp`), host expert_counts [E] -> each row's
+        expert output [R, D] (slices and tp shares added up): the exchange, the experts and the exchange back.
+        The indexed path passes the routed rows; the one-hot path (backend/moe_onehot.py) its [E * C, D] buffer."""
         if self.all_local:                                       # rows already grouped by expert: no sort
-            out = experts(rows, routing.expert_of_row - experts.first_expert, routing.expert_counts)
-            return self.ops.unpermute(out, routing, x.shape[0])
-        counts = self._send_counts(routing.expert_counts)                                  # host [P]
-        copy_row = self._destinations(routing.expert_of_row, int(counts.sum()))            # [N]
-        send = [rows[copy_row], routing.expert_of_row[copy_row] % self.local_experts]
+            return experts(rows, expert_of_row - experts.first_expert, expert_counts)
+        counts = self._send_counts(expert_counts)                                          # host [P]
+        copy_row = self._destinations(expert_of_row, int(counts.sum()))                    # [N]
+        send = [rows[copy_row], expert_of_row[copy_row] % self.local_experts]
         (recv_rows, recv_expert), recv_counts = self.exchange.exchange(send, counts)       # comm
         out = experts(recv_rows, recv_expert)                                              # local: [M, D]
         (back,), _ = self.exchange.exchange([out], recv_counts)                           # comm: [N, D]
         if self.pcc:                                                                       # comm: tp all-gather
             copy_row, back = self.tp.all_gather_v(copy_row), self.tp.all_gather_v(back)
-        summed = self.ops.zeros((len(routing.expert_of_row), x.shape[1]), np.float32)
+        summed = self.ops.zeros((len(expert_of_row), rows.shape[1]), np.float32)
         self.ops.scatter_add_rows(summed, copy_row, back)       # slices (and tp shares) of a row add up
-        return self.ops.unpermute(summed, routing, x.shape[0])
+        return summed
 
     def _send_counts(self, expert_counts) -> np.ndarray:
         """Host [E] rows per expert -> host [P] rows this rank sends to each rank of the exchange group: a copy of
