@@ -95,11 +95,12 @@ class OffloadSection:
         "percent of every GPU batch's KV cache rows in host memory; cache_gpu + cache_cpu = 100 (no disk tier "
         "for the cache)", _percent))
     act_gpu: float = field(default=100.0, metadata=_meta(
-        "percent of activations on the device; must be 100: activations stay on the device in this runtime "
-        "(the planner's variable)", _percent))
-    act_cpu: float = field(default=0.0, metadata=_meta(
-        "percent of activations in host memory; must be 0 (activations stay on the device in this runtime)",
+        "percent of every GPU batch's activations (hidden states between layers, [T, D]) on the device, at "
+        "tensor granularity: the nearest whole number of its T token rows; below 100 needs schedule = zigzag",
         _percent))
+    act_cpu: float = field(default=0.0, metadata=_meta(
+        "percent of every GPU batch's activation rows in host memory, stored after each layer and loaded before "
+        "the next; act_gpu + act_cpu = 100 (no disk tier for activations)", _percent))
     device_memory: int | str = field(default=0, metadata=_meta("device byte budget per rank; 0 = unlimited",
                                                                lambda v: _bytes_check(v)))
     host_memory: int | str = field(default=0, metadata=_meta("host byte budget per rank; 0 = unlimited",
@@ -124,6 +125,7 @@ class OffloadSection:
                 self.num_gpu_batches > 1 or bool(parse_bytes(self.device_memory)))
 
 
+MOE_DISPATCH = ("indexed", "one-hot")
 ALL_TO_ALL = ("flat", "hierarchical", "pcc", "pcc+hierarchical")
 
 
@@ -373,9 +375,10 @@ def _check_offload(path: str, config) -> None:
         raise ConfigError(f"{path}: offload.cache_gpu + offload.cache_cpu = {off.cache_gpu + off.cache_cpu:g} must "
                           f"be 100: the KV cache has no disk tier in this runtime (rows on the device, the rest in "
                           f"host memory)")
-    if off.act_gpu != 100:
-        raise ConfigError(f"{path}: offload.act_gpu = {off.act_gpu:g} (act_cpu = {off.act_cpu:g}): activations stay "
-                          f"on the device in this runtime; set act_gpu = 100, act_cpu = 0")
+    if abs(off.act_gpu + off.act_cpu - 100) > 1e-6:
+        raise ConfigError(f"{path}: offload.act_gpu + offload.act_cpu = {off.act_gpu + off.act_cpu:g} must be 100: "
+                          f"activations have no disk tier in this runtime (rows on the device, the rest in host "
+                          f"memory)")
     if off.cpu_attention and 0 < off.cache_gpu < 100:
         raise ConfigError(f"{path}: offload.cpu_attention = true with offload.cache_gpu = {off.cache_gpu:g}: CPU "
                           f"attention needs the whole KV cache in host memory (cache_gpu = 0, cache_cpu = 100); "
@@ -387,6 +390,10 @@ def _check_offload(path: str, config) -> None:
         raise ConfigError(f"{path}: offload.cache_gpu < 100 and offload.cpu_attention place the KV cache of GPU "
                           f"batches in host memory, which the zig-zag schedule does; set offload.schedule = "
                           f"\"zigzag\" (the row schedule runs one GPU batch at a time, its cache on the device)")
+    if off.schedule == "row" and off.act_gpu < 100:
+        raise ConfigError(f"{path}: offload.act_gpu = {off.act_gpu:g} places activation rows in host memory, which "
+                          f"the zig-zag schedule does; set offload.schedule = \"zigzag\" (the row schedule keeps "
+                          f"its activations on the device), or act_gpu = 100")
     if off.active and config.parallel.pp > 1:
         raise ConfigError(f"{path}: [offload] streams the layers of one pipeline stage; use pp = 1 with it")
     if off.active and config.generate is None:

@@ -145,6 +145,11 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
             "offloaded_bytes_to_host": sum(r.times.kv_bytes_to_host for r in reports),
             "fetched_bytes_to_device": sum(r.times.kv_bytes_to_device for r in reports),
         },
+        "activations": {                                  # zig-zag hidden states ([offload] act_gpu / act_cpu)
+            "peak_device_bytes_per_rank": max(r.times.act_peak_device_bytes for r in reports),
+            "offloaded_bytes_to_host": sum(r.times.act_bytes_to_host for r in reports),
+            "fetched_bytes_to_device": sum(r.times.act_bytes_to_device for r in reports),
+        },
         "cuda_graphs": {                                  # [runtime] cuda_graphs (generate/graphs.py); 0 when off
             "captures_per_rank": max(getattr(r.times, "graph_captures", 0) for r in reports),
             "replays_per_rank": max(getattr(r.times, "graph_replays", 0) for r in reports),

@@ -69,6 +69,9 @@ class StepTimes:
     kv_bytes_to_host: int = 0
     kv_bytes_to_device: int = 0
     kv_peak_device_bytes: int = 0
+    act_bytes_to_host: int = 0             # zig-zag activations' host rows ([offload] act_gpu < 100)
+    act_bytes_to_device: int = 0
+    act_peak_device_bytes: int = 0         # their device rows + staging buffers, or the held hidden states
     weights_peak_device_bytes: int = 0     # offloaded weights: resident + streamed layers at the peak
     weights_bytes_from_host: int = 0
     weights_bytes_from_disk: int = 0

@@ -17,9 +17,13 @@ def itemsize(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+ACT_ITEMSIZE = 4                  # hidden states are computed in float32 whatever the weights' dtype (backend/ops)
+
+
 def device_rows(rows: int, cache_gpu: float) -> int:
-    """Of a GPU batch's KV rows (N sequences x Hkv local heads), how many stay on the device under `cache_gpu`
-    percent: the nearest whole row, halves up (FlexGen's tensor granularity; offload/zigzag.py holds them so)."""
+    """Of a GPU batch's KV rows (N sequences x Hkv local heads) or activation rows (its T tokens), how many stay on
+    the device under `cache_gpu` (`act_gpu`) percent: the nearest whole row, halves up (FlexGen's tensor
+    granularity; offload/zigzag.py and offload/activations.py hold them so)."""
     return min(rows, math.floor(rows * cache_gpu / 100 + 0.5))
 
 
@@ -38,7 +42,8 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
     largest such batch (one loading while the other computes), unless CPU attention reads the host cache in
     place. At the bytes of `[model] kv_cache` (offload/sizes.kv_token_bytes: an int4 cache is ~7x smaller than
     float32). quant_of: which tensors are held quantized (quant.storage.quant_of). fetch_share: the replicas of a
-    partitioned fetch group; each keeps 1/fetch_share of every host and disk layer."""
+    partitioned fetch group; each keeps 1/fetch_share of every host and disk layer. The activations:
+    act_plan_bytes."""
     off, tp = config.offload, config.parallel.tp
     size = itemsize(config.model.dtype)
     layers = list(stage.layers)
@@ -49,13 +54,14 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
     tables = table_bytes(arch, stage.is_first, stage.is_last, size, tp, quant_of)
     kept = lambda tier: sum(-(-b // fetch_share) for b, t in zip(per_layer, tiers) if t == tier)
     kv_device, kv_host, staging = kv_plan_bytes(arch, config, len(layers), prompt_lengths)
+    act_device, act_host = act_plan_bytes(arch, config, prompt_lengths)
+    resident = sum(b for b, t in zip(per_layer, tiers) if t == "device")
     return {
-        "device": sum(b for b, t in zip(per_layer, tiers) if t == "device") + window + tables + kv_device + staging,
-        "host": kept("host") + kv_host,
+        "device": resident + window + tables + kv_device + staging + act_device,
+        "host": kept("host") + kv_host + act_host,
         "disk": kept("disk"),
-        "parts": {"resident layers": sum(b for b, t in zip(per_layer, tiers) if t == "device"),
-                  "streaming window": window, "embedding tables": tables,
-                  "KV cache on the device": kv_device + staging},
+        "parts": {"resident layers": resident, "streaming window": window, "embedding tables": tables,
+                  "KV cache on the device": kv_device + staging, "activations on the device": act_device},
     }
 
 
@@ -73,6 +79,26 @@ def kv_plan_bytes(arch, config, num_layers: int, prompt_lengths: list) -> tuple[
     return (sum(on_device) * num_layers * per_row_layer, sum(host_rows) * num_layers * per_row_layer, staging)
 
 
+def act_plan_bytes(arch, config, prompt_lengths: list) -> tuple[int, int]:
+    """(device, host) bytes of the activations at their peak, the prefill step of the block that needs most, as
+    offload/activations.py holds them: of each GPU batch's T_b prompt tokens (rows [T_b, D]), R_b =
+    device_rows(T_b, act_gpu) on the device and the rest in host memory; when any row is in host memory, two
+    device staging buffers [max_b T_b, D]. At act_gpu = 100 the whole block's hidden states are on the device
+    (the row schedule, act_gpu = 100 only, holds one GPU batch's at a time)."""
+    off, size = config.offload, ACT_ITEMSIZE * arch.hidden_size                     # bytes of one row
+    batch = config.generate.batch_size
+    device = host = 0
+    for first in range(0, len(prompt_lengths), batch):                             # the blocks (job._batches)
+        block = prompt_lengths[first:first + batch]
+        tokens = [sum(block[i] for i in g) for g in micro_batches(len(block), off.num_gpu_batches)]   # T_b
+        rows = [device_rows(t, off.act_gpu) for t in tokens]                                          # R_b
+        on_host = sum(tokens) - sum(rows)
+        held = max(rows) if off.schedule == "row" else sum(rows)          # row: one GPU batch at a time
+        device = max(device, (held + (2 * max(tokens) if on_host else 0)) * size)
+        host = max(host, on_host * size)
+    return device, host
+
+
 def check_budgets(arch, config, stages, prompt_lengths: list, quant_of=None, fetch_share: int = 1) -> None:
     off = config.offload
     for stage in stages:
@@ -81,8 +107,8 @@ def check_budgets(arch, config, stages, prompt_lengths: list, quant_of=None, fet
             budget = parse_bytes(getattr(off, key))
             if budget and plan[tier] > budget:
                 parts = ", ".join(f"{k} {int(v):,}" for k, v in plan["parts"].items()) if tier == "device" else \
-                    f"layers and KV cache in host memory {int(plan['host']):,}"
-                advice = "lower weights_gpu / cache_gpu" if tier == "device" else \
+                    f"layers, KV cache and activations in host memory {int(plan['host']):,}"
+                advice = "lower weights_gpu / cache_gpu / act_gpu" if tier == "device" else \
                     "lower weights_cpu (more layers on disk) / cache_cpu (more KV rows on the device)"
                 raise ConfigError(f"{config.path}: [offload] {key} = {budget:,} bytes cannot hold this plan: "
                                   f"{int(plan[tier]):,} bytes needed on the {tier} ({parts}); {advice}, or raise "

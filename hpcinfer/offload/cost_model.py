@@ -3,22 +3,26 @@
 Notation (FlexGen Table 6, our names):  L = layers, s = prompt_len, n = gen_len, b = gpu_batch_size,
 k = num_gpu_batches, B = b * k = block size (bls), isz = bytes per element of the dtype,
 W = one layer's weight bytes, kv = bytes of one token's K and V in one layer, act = bytes of one token's hidden
-state (D * isz), q = bytes of one token's query (the attention output has the same size).
+state (D * 4: float32, as the runtime computes it whatever the dtype), q = bytes of one token's query (the
+attention output has the same size).
 Placement fractions (the LP's variables): wg wc wd (weights), cg cc cd (KV cache), hg hc hd (activations).
-The cache fractions are of every GPU batch's (sequence, KV head) rows, as offload/zigzag.py holds them; the
-runtime has no cache disk tier and keeps activations on the device, so lp.py pins cd = hd = hc = 0.
+The cache fractions are of every GPU batch's (sequence, KV head) rows, the activation fractions of its hidden-
+state rows (tokens), as offload/zigzag.py holds them; the runtime has no disk tier for either, so lp.py pins
+cd = hd = 0 (and, for the row schedule, the cache and the activations on the device).
 
 Every cost term is a `Linear` function of the nine fractions, so the same expressions give the prediction for a
 policy (`predict`) and the rows of the linear program (lp.py). Per layer, for the whole block (FlexGen A.3):
 
-  prefill, one layer, all B sequences of s tokens (Ap = B s act, Cp = B s kv):
+  prefill, one layer, all B sequences of s tokens (Ap = B s act (L + 1) / L, Cp = B s kv):
     host_to_device  (wc + wd) W r + (hc + hd) Ap                 weights in, stored activations back
     device_to_host  (cc + cd) Cp + (hc + hd) Ap                  the new cache and the layer's output out
     disk_to_host    wd W r + hd Ap
     host_to_disk    cd Cp + hd Ap
     compute         k max(b (s f + f_head / L) / F_dev, W / BW_dev) + B 4 q' s^2 / F_dev
   decode, one layer, one token of all B sequences, averaged over the n - 1 steps: the cache holds s + n/2
-  tokens on average (FlexGen's (s + n/2)); Ag = B act, Cg = B (s + n/2) kv, Cn = B kv, Q = B q:
+  tokens on average (FlexGen's (s + n/2)); Ag = B act (L + 1) / L, Cg = B (s + n/2) kv, Cn = B kv, Q = B q
+  (host activation rows are stored after and loaded before each of the L + 1 boundaries of a step: the embedding
+  output, every layer's output; spread over the L layers):
     host_to_device  (wc + wd) W r + (hc + hd) Ag + (cc + cd) Cg   [no CPU attention: the host cache comes in]
                                                  + (cc + cd) Q    [CPU attention: the attention output comes in]
     device_to_host  (cc + cd) Cn + (hc + hd) Ag [+ (cc + cd) Q, CPU attention: the query goes out]
@@ -39,15 +43,20 @@ Totals (FlexGen Section 4.3): time = L T_pre + L (n - 1) T_gen for the block; th
 finishes with the last step).
 
 Peak memory per tier (FlexGen A.3's "home" plus working-set terms; the prefill peak, which is the larger):
-    device  E + wg W L + (1 - wg) W (p + 1) + cg KV + hg A + (1 - hg) nb b s act
-            + [no CPU attention] (1 - cg) nb b (s + n) kv + work(b)
-    host    wc W L + wd W (p + 1) + cc KV + hc A + hd nb b s act + cd nb b (s + n) kv + [CPU attention] scores
+    device  E + wg W L + (1 - wg) W (p + 1) + cg KV + hg A + work(b)
+            + [cc + cd > 0, no CPU attention] 2 b (s + n) kv + [hc + hd > 0] 2 b s act      (staging: a step)
+    host    wc W L + wd W (p + 1) + cc KV + hc A + hd 2 b s act + cd 2 b (s + n) kv + [CPU attention] scores
     disk    wd W L + cd KV + hd A
   KV = B (s + n) kv L (zig-zag allocates the whole block's cache, FlexGen A.2), A = B s act (one layer boundary
   of the block); the row schedule finishes one GPU batch before starting the next, so there B = b in KV and A.
-  p = prefetch_layers (streamed layers resident: current + prefetched), nb = 2 buffers of a GPU batch's streamed
-  activations/cache (current and next) with prefetch, 1 without; work(b) = one GPU batch's transient tensors
-  (qkv, scores or the MLP intermediate, the logits), FlexGen's qkv/att/mlp peak terms.
+  p = prefetch_layers (streamed layers resident: current + prefetched); work(b) = one GPU batch's transient
+  tensors (qkv, scores or the MLP intermediate, the logits), FlexGen's qkv/att/mlp peak terms.
+  Staging (`Staging`, what offload/zigzag.py allocates): as soon as ANY cache row of a GPU batch is off the device
+  the runtime holds two device buffers of one layer of a GPU batch's cache (one loading while the other
+  computes), whatever the prefetch depth, and likewise two [b s, D] buffers for the activations; none while that
+  part is wholly on the device. A step function, not linear: `CostTerms.peak` (the prediction) counts it exactly,
+  with each share rounded to whole rows per GPU batch as budget.device_rows rounds it, and lp.py solves the LP on
+  each side of each step (`CostTerms.memory_case`, which adds half a row per GPU batch as a bound on the rounding).
 Weights at layer granularity: W is the average decoder layer; E, the embedding tables (token and position
 tables, final norm, LM head), stays on the device, as the runtime keeps it (offload/sizes.py counts both the
 same way as the budget check). Quantized weights (quant_of) count, and move, their quantized bytes; so does a
@@ -62,6 +71,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..model.arch import ModelArch, tensor_shapes
+from .budget import ACT_ITEMSIZE, device_rows
 from .policy import Policy
 from .sizes import kv_token_bytes, layer_bytes, table_bytes
 from .profile import HardwareProfile
@@ -107,7 +117,7 @@ class ModelSizes:
     total_weight_bytes: int      # every weight: the layers and the embedding tables
     table_bytes: int             # token and position tables, final norm, LM head: always on the device
     kv_bytes: int                # K and V of one token in one layer (at the dtype, or the KV format's bytes)
-    act_bytes: int               # one token's hidden state
+    act_bytes: int               # one token's hidden state, float32 as the runtime computes it (budget.ACT_ITEMSIZE)
     query_bytes: int             # one token's query (= its attention output)
     query_width: int             # H * hd
     heads: int
@@ -116,6 +126,7 @@ class ModelSizes:
     intermediate: int            # MLP width (gated MLPs count gate and up)
     vocab: int
     itemsize: int
+    kv_heads: int = 1            # Hkv: a GPU batch's cache is b Hkv rows (sequence, KV head) per layer
 
     @classmethod
     def of(cls, arch: ModelArch, dtype: str = "float32", quant_of=None, kv_format=None) -> "ModelSizes":
@@ -137,28 +148,99 @@ class ModelSizes:
         tables = table_bytes(arch, True, True, isz, 1, quant_of)
         return cls(num_layers=L, layer_weight_bytes=layers / L, total_weight_bytes=layers + tables,
                    table_bytes=tables, kv_bytes=kv_token_bytes(arch, 1, kv_format, isz),
-                   act_bytes=arch.hidden_size * isz, query_bytes=arch.q_size * isz, query_width=arch.q_size, heads=arch.num_heads,
+                   act_bytes=arch.hidden_size * ACT_ITEMSIZE, query_bytes=arch.q_size * isz,
+                   query_width=arch.q_size, heads=arch.num_heads,
                    flops_per_token=layer_flops / L, head_flops=2.0 * arch.vocab_size * arch.hidden_size,
                    intermediate=arch.intermediate_size * (2 if arch.gated_mlp else 1), vocab=arch.vocab_size,
-                   itemsize=isz)
+                   itemsize=isz, kv_heads=arch.num_kv_heads)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """The step term of one kind of tensor placed by rows (the KV cache, the activations), as offload/zigzag.py
+    holds it: of each of the `groups` GPU batches' `rows` rows, device_rows(rows, gpu %) stay on the device (the
+    nearest whole row) and the rest live in host memory; as soon as ANY row is off the device the runtime holds
+    two device staging buffers of one GPU batch's rows (`buffers` bytes: 0 when CPU attention reads the host cache
+    in place). A step function of the placement, so the LP solves the two sides as separate cases (lp.py)."""
+
+    part: str                    # "cache" | "act"
+    gpu: str                     # its device fraction: "cg" | "hg"
+    off_device: tuple            # its other fractions: ("cc", "cd") | ("hc", "hd")
+    rows: int                    # rows of one GPU batch: b Hkv (cache) | b s (activations of the prefill step)
+    groups: int                  # GPU batches holding their own rows: k (zig-zag) | 1 (row)
+    row_bytes: float             # bytes of one row: all layers of a (sequence, KV head) | one token's hidden state
+    buffers: float               # device bytes of the two staging buffers
+
+    def staged(self, x: dict) -> bool:
+        """Any row off the device: the staging buffers exist."""
+        return any(x[v] > 0 for v in self.off_device)
+
+    @property
+    def slack(self) -> float:
+        """Half a row in every GPU batch: how far the nearest whole row can be from a fraction's share (the LP,
+        which solves with fractions, counts it on the device and on the host while staged)."""
+        return 0.5 * self.groups * self.row_bytes
+
+    def whole_rows(self, x: dict) -> dict:
+        """x with this part's device share rounded to whole rows as the runtime rounds it (budget.device_rows);
+        the off-device fractions share the rest in their proportions."""
+        if self.rows < 1:
+            return x
+        gpu = device_rows(self.rows, round(100 * x[self.gpu], 9)) / self.rows
+        off = sum(x[v] for v in self.off_device)
+        rest = {v: (1 - gpu) * (x[v] / off if off > 0 else (1.0 if i == 0 else 0.0))
+                for i, v in enumerate(self.off_device)}
+        return {**x, self.gpu: gpu, **rest}
 
 
 @dataclass(frozen=True)
 class CostTerms:
     """The cost model of one (gpu_batch_size, num_gpu_batches, cpu_attention, schedule, prefetch) choice: every
-    term linear in the placement fractions."""
+    term linear in the placement fractions, but for the staging buffers (`staging`), a step function."""
 
     prefill: dict                # link -> Linear: seconds per layer for the block's prompts
     decode: dict                 # link -> Linear: seconds per layer for one token step of the block (average)
-    memory: dict                 # tier -> Linear: peak bytes
+    memory: dict                 # tier -> Linear: peak bytes, without the staging buffers
     overlap: bool                # True: a layer costs its slowest term; False: the sum of its terms
     num_layers: int
     gen_len: int
     block_size: int
+    staging: tuple = ()          # Staging of the cache and of the activations
 
     def layer_time(self, terms: dict, fractions: dict) -> float:
         values = [terms[link](fractions) for link in LINKS]
         return max(values) if self.overlap else sum(values)
+
+    def peak(self, fractions: dict) -> dict:
+        """Peak bytes per tier exactly as the runtime holds them: whole rows per GPU batch, and the staging
+        buffers of each part with any row off the device."""
+        x = fractions
+        for part in self.staging:
+            x = part.whole_rows(x)
+        peak = {tier: self.memory[tier](x) for tier in TIERS}
+        peak["device"] += sum(part.buffers for part in self.staging if part.staged(x))
+        return peak
+
+    def device_bytes(self, part: str, fractions: dict) -> float:
+        """Device bytes of the cache ("cache") or the activations ("act") under `fractions`: the rows the runtime
+        keeps there and, with any row off the device, its staging buffers (what budget.kv_plan_bytes counts)."""
+        stage = next(s for s in self.staging if s.part == part)
+        x = stage.whole_rows(fractions)
+        coef = self.memory["device"].coef[VARIABLES.index(stage.gpu)]
+        return coef * x[stage.gpu] + (stage.buffers if stage.staged(x) else 0.0)
+
+    def memory_case(self, staged: frozenset, whole: frozenset = frozenset()) -> dict:
+        """tier -> Linear for the LP case where the parts named in `staged` have rows off the device (the others
+        all on it): their staging buffers on the device, and half a row per GPU batch on the device and on the
+        host (an upper bound on the runtime's rounding to whole rows) unless the part is in `whole` (pinned
+        wholly off the device: no rows to round)."""
+        extra = {tier: 0.0 for tier in TIERS}
+        for part in self.staging:
+            if part.part in staged:
+                slack = 0.0 if part.part in whole else part.slack
+                extra["device"] += part.buffers + slack
+                extra["host"] += slack
+        return {tier: self.memory[tier] + Linear.of(extra[tier]) for tier in TIERS}
 
 
 @dataclass(frozen=True)
@@ -221,7 +303,8 @@ class CostModel:
         lin = Linear.of
 
         # Prefill: one layer, the B prompts of s tokens.
-        Ap, Cp = B * s * z.act_bytes, B * s * z.kv_bytes
+        boundaries = (L + 1) / L        # hidden states stored and loaded a step: the embedding output, each layer's
+        Ap, Cp = B * s * z.act_bytes * boundaries, B * s * z.kv_bytes
         linear_p = k * max(b * (s * z.flops_per_token + z.head_flops / L) / hw.device_flops,
                            W / hw.device_bandwidth)
         attn_p = B * 4.0 * z.query_width * s * s / hw.device_flops
@@ -237,7 +320,7 @@ class CostModel:
 
         # Decode: one layer, one token of each of the B sequences, the cache at its average length s + n/2.
         avg_len = s + n / 2
-        Ag, Cg, Cn, Q = B * z.act_bytes, B * avg_len * z.kv_bytes, B * z.kv_bytes, B * z.query_bytes
+        Ag, Cg, Cn, Q = B * z.act_bytes * boundaries, B * avg_len * z.kv_bytes, B * z.kv_bytes, B * z.query_bytes
         linear_g = k * max(b * (z.flops_per_token + z.head_flops / L) / hw.device_flops, W / hw.device_bandwidth)
         attn_flops = B * avg_len * 4.0 * z.query_width
         att_dev = max(Cg / hw.device_bandwidth, attn_flops / hw.device_flops)
@@ -255,29 +338,34 @@ class CostModel:
                                 cd=Cg / hw.disk_to_host),
             "host_to_disk": lin(cd=Cn / hw.host_to_disk, hd=Ag / hw.host_to_disk),
         }
-        return CostTerms(prefill=prefill, decode=decode,
-                         memory=self._memory(b, k, cpu_attention, prefetch_layers, schedule),
-                         overlap=prefetch_layers >= 1, num_layers=L, gen_len=n, block_size=B)
+        memory, staging = self._memory(b, k, cpu_attention, prefetch_layers, schedule)
+        return CostTerms(prefill=prefill, decode=decode, memory=memory, overlap=prefetch_layers >= 1,
+                         num_layers=L, gen_len=n, block_size=B, staging=staging)
 
-    def _memory(self, b: int, k: int, cpu_attention: bool, prefetch_layers: int, schedule: str) -> dict:
+    def _memory(self, b: int, k: int, cpu_attention: bool, prefetch_layers: int, schedule: str) -> tuple:
+        """(tier -> Linear peak bytes without the staging buffers, (the cache's and the activations' Staging))."""
         z, s, n = self.sizes, self.prompt_len, self.gen_len
         L, W = z.num_layers, z.layer_weight_bytes
-        B = b if schedule == "row" else b * k                       # row: one GPU batch's cache and activations
+        groups = 1 if schedule == "row" else k                      # row: one GPU batch's cache and activations
+        B = b * groups
         Wt, KV, A = W * L, B * (s + n) * z.kv_bytes * L, B * s * z.act_bytes      # Wt: the decoder layers
         resident = prefetch_layers + 1                              # streamed layers on the device at once
-        buffers = 2 if prefetch_layers >= 1 else 1                  # a GPU batch's streamed inputs: now, next
-        batch_act = buffers * b * s * z.act_bytes
-        batch_cache = buffers * b * (s + n) * z.kv_bytes
+        batch_act = 2 * b * s * z.act_bytes                         # two staging buffers [b s, D] (zigzag.py)
+        batch_cache = 2 * b * (s + n) * z.kv_bytes                  # two of one layer's b Hkv rows (HostKV)
         qkv = b * s * (2 * z.act_bytes + z.query_bytes + z.kv_bytes)
         widest = b * max(z.heads * s * s, s * z.intermediate) * z.itemsize
         work = qkv + widest + b * z.vocab * 4                       # + float32 logits of the GPU batch
         scores = b * z.heads * (s + n) * 4 if cpu_attention else 0  # host attention scratch (float32)
         lin = Linear.of
-        device = lin(z.table_bytes + W * resident + batch_act + work + (0 if cpu_attention else batch_cache),
-                     wg=Wt - W * resident, cg=KV - (0 if cpu_attention else batch_cache), hg=A - batch_act)
+        device = lin(z.table_bytes + W * resident + work, wg=Wt - W * resident, cg=KV, hg=A)
         host = lin(scores, wc=Wt, wd=W * resident, cc=KV, cd=batch_cache, hc=A, hd=batch_act)
         disk = lin(wd=Wt, cd=KV, hd=A)
-        return {"device": device, "host": host, "disk": disk}
+        staging = (Staging("cache", "cg", ("cc", "cd"), rows=b * z.kv_heads, groups=groups,
+                           row_bytes=(s + n) * z.kv_bytes * L / z.kv_heads,
+                           buffers=0.0 if cpu_attention else batch_cache),
+                   Staging("act", "hg", ("hc", "hd"), rows=b * s, groups=groups, row_bytes=z.act_bytes,
+                           buffers=batch_act))
+        return {"device": device, "host": host, "disk": disk}, staging
 
     def predict(self, policy: Policy) -> Prediction:
         """Time, throughput, latency and peak memory per tier of running one block under `policy`."""
@@ -293,7 +381,7 @@ def evaluate(terms: CostTerms, policy: Policy, profile: HardwareProfile) -> Pred
         policy=policy,
         prefill_s=L * terms.layer_time(terms.prefill, x),
         decode_s=L * (n - 1) * terms.layer_time(terms.decode, x),
-        peak={tier: terms.memory[tier](x) for tier in TIERS},
+        peak=terms.peak(x),
         budget={"device": profile.device_memory, "host": profile.host_memory, "disk": profile.disk_memory},
         prefill_terms={link: terms.prefill[link](x) for link in LINKS},
         decode_terms={link: terms.decode[link](x) for link in LINKS},

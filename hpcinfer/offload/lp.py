@@ -10,7 +10,12 @@ The LP, for a fixed b = gpu_batch_size, k = num_gpu_batches (and a fixed cpu_att
                 wg + wc + wd = 1,  cg + cc + cd = 1,  hg + hc + hd = 1
                 L T_pre + L (n - 1) T_gen <= max_latency      (when given; FlexGen: "extended to include
                                                                latency constraints")
-The terms and peaks are cost_model's `Linear` expressions. Ties (e.g. I/O hidden under compute whatever the
+The terms and peaks are cost_model's `Linear` expressions, but for the staging buffers, a step function of the
+placement (two device buffers of a GPU batch's cache rows as soon as any cache row is off the device, two of its
+activation rows likewise: cost_model.Staging). The LP is solved once per side of each step (`_cases`): the cache
+wholly on the device (cg = 1, no buffers) or not (buffers counted, plus half a row per GPU batch for the rounding
+to whole rows), the same for the activations; the fastest case wins (the fewer buffers on a tie), so a plan never
+moves a sliver of a tensor whose staging it cannot hold. Ties (e.g. I/O hidden under compute whatever the
 placement) are broken by a second LP: at the optimal time, minimize the sum of every term (the time with no
 overlap), which keeps data in the fastest tier that costs no throughput: the percentages stay intuitive.
 """
@@ -56,21 +61,24 @@ def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_si
     Raises PlacementError naming the tier that does not fit, or max_latency when only the latency does not.
     """
     model = CostModel(arch, prompt_len, gen_len, profile, dtype, quant_of, kv_format)
-    bounds = _bounds(fixed or {})
-    choices = (False, True) if cpu_attention is None else (bool(cpu_attention),)
+    bounds = _bounds(fixed or {}, schedule)
     best, first_error = None, None
-    for cpu, cpu_bounds in ((cpu, b) for cpu in choices for b in _cache_bounds(bounds, cpu)):
-        problem = _Problem(model.terms(gpu_batch_size, num_gpu_batches, cpu, schedule, prefetch_layers), profile,
-                           cpu_bounds)
-        x = problem.solve(max_latency)
-        if x is None:
-            first_error = first_error or problem.diagnose(max_latency, gpu_batch_size, num_gpu_batches)
-            continue
-        policy = _rounded_policy(x, problem, max_latency, gpu_batch_size, num_gpu_batches, cpu, schedule,
-                                 prefetch_layers)
-        prediction = evaluate(problem.terms, policy, profile)
-        if best is None or prediction.total_s < best[1].total_s * (1 - 1e-9):
-            best = (policy, prediction)
+    for cpu in _cpu_choices(cpu_attention, schedule):
+        terms = model.terms(gpu_batch_size, num_gpu_batches, cpu, schedule, prefetch_layers)
+        problems = [_case_problem(terms, profile, staged, case_bounds)
+                    for cpu_bounds in _cache_bounds(bounds, cpu) for staged, case_bounds in _cases(terms, cpu_bounds)]
+        problems = problems or [_Problem(terms, profile, bounds)]          # bounds that allow no case: infeasible
+        for problem in problems:
+            x = problem.solve(max_latency)
+            if x is None:
+                continue
+            policy = _rounded_policy(x, problem, max_latency, gpu_batch_size, num_gpu_batches, cpu, schedule,
+                                     prefetch_layers)
+            prediction = evaluate(problem.terms, policy, profile)
+            if best is None or prediction.total_s < best[1].total_s * (1 - 1e-9):
+                best = (policy, prediction)
+        if best is None and first_error is None:
+            first_error = _diagnose(problems, max_latency, gpu_batch_size, num_gpu_batches)
     if best is None:
         raise first_error
     return best
@@ -120,26 +128,58 @@ FIXABLE = {"weights_gpu": "wg", "weights_cpu": "wc", "weights_disk": "wd", "cach
            "cache_disk": "cd", "act_gpu": "hg", "act_cpu": "hc", "act_disk": "hd"}
 
 
-# What the runtime can hold (offload/zigzag.py): the KV cache on the device and in host memory, no disk share;
-# activations on the device. The LP never places data elsewhere, so a `plan` result runs as printed.
-RUNTIME_PINNED = {"cache_disk": 0.0, "act_gpu": 100.0, "act_cpu": 0.0, "act_disk": 0.0}
+# What the runtime can hold (offload/zigzag.py): the KV cache and the activations on the device and in host
+# memory, no disk share; the row schedule keeps both on the device (config refuses anything else there). The LP
+# never places data elsewhere, so a `plan` result runs as printed.
+RUNTIME_PINNED = {"cache_disk": 0.0, "act_disk": 0.0}
+ROW_PINNED = {"cache_gpu": 100.0, "cache_cpu": 0.0, "act_gpu": 100.0, "act_cpu": 0.0}
 
 
-def _bounds(fixed: dict) -> list:
-    """Bounds of the nine fractions, fixed ones and RUNTIME_PINNED pinned; ValueError naming an unknown key, a bad
-    percentage, or one the runtime cannot honour."""
+def _bounds(fixed: dict, schedule: str = "zigzag") -> list:
+    """Bounds of the nine fractions, fixed ones and RUNTIME_PINNED (and ROW_PINNED for the row schedule) pinned;
+    ValueError naming an unknown key, a bad percentage, or one the runtime cannot honour."""
+    pinned = {**RUNTIME_PINNED, **(ROW_PINNED if schedule == "row" else {})}
     bounds = [(0.0, 1.0)] * NV
-    for key, percent in {**RUNTIME_PINNED, **fixed}.items():
+    for key, percent in {**pinned, **fixed}.items():
         if key not in FIXABLE:
             raise ValueError(f"cannot fix {key!r}; fixable: {', '.join(FIXABLE)}")
         if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 <= percent <= 100:
             raise ValueError(f"{key} must be a percentage in [0, 100], got {percent!r}")
-        if key in RUNTIME_PINNED and percent != RUNTIME_PINNED[key]:
-            raise ValueError(f"{key} = {percent:g}: the runtime holds {key} = {RUNTIME_PINNED[key]:g} (the KV cache "
-                             f"has no disk tier; activations stay on the device)")
+        if key in pinned and percent != pinned[key]:
+            why = ("the row schedule keeps the KV cache and the activations on the device; use schedule zigzag"
+                   if key in ROW_PINNED else "the KV cache and the activations have no disk tier")
+            raise ValueError(f"{key} = {percent:g}: the runtime holds {key} = {pinned[key]:g} ({why})")
         i = VARIABLES.index(FIXABLE[key])
         bounds[i] = (percent / 100, percent / 100)
     return bounds
+
+
+def _cpu_choices(cpu_attention: bool | None, schedule: str) -> tuple:
+    """The cpu_attention values to solve with: both when None (auto); the row schedule has no host cache."""
+    if schedule == "row":
+        if cpu_attention:
+            raise ConfigError("cpu_attention = true with schedule = row: the row schedule keeps the KV cache on the "
+                              "device, so there is no host cache to attend; use schedule zigzag")
+        return (False,)
+    return (False, True) if cpu_attention is None else (bool(cpu_attention),)
+
+
+def _cases(terms: CostTerms, bounds: list) -> list:
+    """The staging cases of the step terms (cost_model.Staging), as (names staged, bounds): for the cache and for
+    the activations, either all of it on the device (no staging buffers) or some of it off the device (staging
+    counted), each where the bounds allow it; the LP is solved for every combination and the best kept."""
+    cases = [(frozenset(), bounds)]
+    for part in terms.staging:
+        g, offs = VARIABLES.index(part.gpu), [VARIABLES.index(v) for v in part.off_device]
+        grown = []
+        for staged, case in cases:
+            if bounds[g][1] == 1.0 and all(case[i][0] == 0.0 for i in offs):     # all on the device: no buffers
+                grown.append((staged, [(1.0, 1.0) if i == g else (0.0, 0.0) if i in offs else b
+                                       for i, b in enumerate(case)]))
+            if case[g][0] < 1.0 and any(case[i][1] > 0.0 for i in offs):         # rows off the device: staged
+                grown.append((staged | {part.part}, case))
+        cases = grown
+    return cases
 
 
 def _cache_bounds(bounds: list, cpu_attention: bool) -> list:
@@ -157,13 +197,21 @@ def _cache_bounds(bounds: list, cpu_attention: bool) -> list:
             for side in sides]
 
 
+def _case_problem(terms: CostTerms, profile: HardwareProfile, staged: frozenset, bounds: list) -> "_Problem":
+    """The LP of one staging case; a part pinned wholly off the device has no rounding slack (no split rows)."""
+    whole = frozenset(p.part for p in terms.staging if bounds[VARIABLES.index(p.gpu)][1] == 0.0)
+    return _Problem(terms, profile, bounds, terms.memory_case(staged, whole))
+
+
 # ---- the linear program ----------------------------------------------------------------------------------------
 
 class _Problem:
-    """The LP of one cost model (one block shape, one cpu_attention), on one machine, some fractions pinned."""
+    """The LP of one cost model (one block shape, one cpu_attention) and one staging case (its peak memory
+    `memory`: tier -> Linear, CostTerms.memory_case), on one machine, some fractions pinned."""
 
-    def __init__(self, terms: CostTerms, profile: HardwareProfile, bounds: list):
+    def __init__(self, terms: CostTerms, profile: HardwareProfile, bounds: list, memory: dict | None = None):
         self.terms, self.profile, self.bounds = terms, profile, bounds
+        self.memory = memory if memory is not None else terms.memory_case(frozenset())
 
     def rows(self, max_latency: float | None, relax: frozenset = frozenset()):
         """A_ub, b_ub, A_eq, b_eq, bounds and the objective (11 variables), the tiers in `relax` dropped."""
@@ -187,7 +235,7 @@ class _Problem:
         for tier in TIERS:
             if tier in relax:
                 continue
-            mem = terms.memory[tier]
+            mem = self.memory[tier]
             budget = float(getattr(profile, BUDGET_KEYS[tier]))
             row = np.zeros(NV + 2)
             row[:NV] = mem.coef
@@ -231,43 +279,48 @@ class _Problem:
         """The least `tier` memory any placement needs while the other two tiers keep their budgets."""
         a_ub, b_ub, a_eq, b_eq, bounds, _ = self.rows(None, frozenset({tier}))
         objective = np.zeros(NV + 2)
-        objective[:NV] = self.terms.memory[tier].coef
+        objective[:NV] = self.memory[tier].coef
         result = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
-        return result.fun + self.terms.memory[tier].const if result.status == 0 else math.inf
+        return result.fun + self.memory[tier].const if result.status == 0 else math.inf
 
     def fastest(self) -> float:
-        """Seconds per block of the fastest placement that fits, ignoring max_latency."""
+        """Seconds per block of the fastest placement that fits, ignoring max_latency (inf: none fits)."""
         a_ub, b_ub, a_eq, b_eq, bounds, objective = self.rows(None)
-        return linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs").fun
+        result = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        return result.fun if result.status == 0 else math.inf
 
-    def diagnose(self, max_latency: float | None, b: int, k: int) -> PlacementError:
-        """Which constraint makes the LP infeasible: relax each tier's budget in turn (then max_latency)."""
-        terms, profile = self.terms, self.profile
-        shape = f"gpu_batch_size={b} x num_gpu_batches={k} (block {b * k})"
-        if self.solve(None) is None:
-            # Tiers whose budget alone stands in the way, the cheapest to grow first: disk, host, device.
-            fixes = [t for t in reversed(TIERS) if self.solve(None, frozenset({t})) is not None]
-            if fixes:
-                needs = {t: self.least_memory(t) for t in fixes}
-                first, others = fixes[0], fixes[1:]
-                message = (f"does not fit: the {first} tier needs at least {human_bytes(needs[first])} for {shape} "
-                           f"(the rest offloaded as far as the other tiers allow) but {BUDGET_KEYS[first]} is "
-                           f"{human_bytes(getattr(profile, BUDGET_KEYS[first]))}")
-                if others:
-                    message += "; or else " + ", ".join(
-                        f"{BUDGET_KEYS[t]} >= {human_bytes(needs[t])} (now "
-                        f"{human_bytes(getattr(profile, BUDGET_KEYS[t]))})" for t in others)
-                return PlacementError(message, first, tuple(fixes))
-            zero = {v: 0.0 for v in VARIABLES}
-            buffers = sum(terms.memory[t](zero) for t in TIERS)
-            data = terms.memory["disk"]({v: (1.0 if v in ("wd", "cd", "hd") else 0.0) for v in VARIABLES})
-            budgets = sum(getattr(profile, BUDGET_KEYS[t]) for t in TIERS)
-            return PlacementError(
-                f"does not fit: the weights, KV cache and activations of {shape} ({human_bytes(data)}) and the "
-                f"working buffers ({human_bytes(buffers)}) exceed device + host + disk together "
-                f"({human_bytes(budgets)})", "device+host+disk")
-        return PlacementError(f"max_latency = {max_latency:g} s cannot be met by {shape}: the fastest placement "
-                              f"that fits takes {self.fastest():.4g} s", "max_latency")
+
+def _diagnose(problems: list, max_latency: float | None, b: int, k: int) -> PlacementError:
+    """Which constraint makes every staging case's LP infeasible: relax each tier's budget in turn (then
+    max_latency); the least a tier needs is the least over the cases."""
+    profile, memory = problems[0].profile, problems[0].memory
+    shape = f"gpu_batch_size={b} x num_gpu_batches={k} (block {b * k})"
+    solves = lambda relax: any(p.solve(None, relax) is not None for p in problems)
+    if not solves(frozenset()):
+        # Tiers whose budget alone stands in the way, the cheapest to grow first: disk, host, device.
+        fixes = [t for t in reversed(TIERS) if solves(frozenset({t}))]
+        if fixes:
+            needs = {t: min(p.least_memory(t) for p in problems) for t in fixes}
+            first, others = fixes[0], fixes[1:]
+            message = (f"does not fit: the {first} tier needs at least {human_bytes(needs[first])} for {shape} "
+                       f"(the rest offloaded as far as the other tiers allow) but {BUDGET_KEYS[first]} is "
+                       f"{human_bytes(getattr(profile, BUDGET_KEYS[first]))}")
+            if others:
+                message += "; or else " + ", ".join(
+                    f"{BUDGET_KEYS[t]} >= {human_bytes(needs[t])} (now "
+                    f"{human_bytes(getattr(profile, BUDGET_KEYS[t]))})" for t in others)
+            return PlacementError(message, first, tuple(fixes))
+        zero = {v: 0.0 for v in VARIABLES}
+        buffers = sum(memory[t](zero) for t in TIERS)
+        data = memory["disk"]({v: (1.0 if v in ("wd", "cd", "hd") else 0.0) for v in VARIABLES})
+        budgets = sum(getattr(profile, BUDGET_KEYS[t]) for t in TIERS)
+        return PlacementError(
+            f"does not fit: the weights, KV cache and activations of {shape} ({human_bytes(data)}) and the "
+            f"working buffers ({human_bytes(buffers)}) exceed device + host + disk together "
+            f"({human_bytes(budgets)})", "device+host+disk")
+    fastest = min(p.fastest() for p in problems)
+    return PlacementError(f"max_latency = {max_latency:g} s cannot be met by {shape}: the fastest placement "
+                          f"that fits takes {fastest:.4g} s", "max_latency")
 
 
 def _clean(x: np.ndarray) -> np.ndarray:

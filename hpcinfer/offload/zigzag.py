@@ -14,6 +14,8 @@ With `[model] kv_cache = "int8" | "int4"` every one of these caches (device, hos
 (q, scale, min) and the loads and stores move those parts as they are: FlexGen's point of compressing the cache,
 ~3.8x (int8) and ~7.1x (int4) fewer bytes than float32 at head_dim 64, group 64. Attention dequantizes only the
 rows it reads (backend/kv_attention.py), as in the row schedule, so both give the same tokens.
+The activations (the hidden states between layers, [T, D] per GPU batch) are placed by `act_gpu` in the same
+zig-zag order, stored after each layer and loaded before the next (offload/activations.py).
 
 Shape legend: T tokens of a batch's step, S its running sequences, D hidden.
 """
@@ -33,6 +35,7 @@ from ..generate.kv_cache import KVCache
 from ..generate.sampling import sample, sequence_rng
 from ..generate.schedule import micro_batches
 from ..quant.kv import QuantizedKV
+from .activations import EMBEDDING, HostActivations
 from .budget import device_rows
 
 
@@ -214,6 +217,7 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
                          kv_format=model.kv_format) for b in on_device}
     host_kv = HostKV(model, {b: len(g) for b, g in enumerate(batches) if b not in caches}, max_len,
                      policy.cpu_attention, policy.cache_gpu)
+    acts = HostActivations(model.ops, arch.hidden_size, policy.act_gpu)
     eos = set() if params.ignore_eos else set(arch.eos_token_ids)
     t_start, first, prefill = time.perf_counter(), True, 0.0
     while True:
@@ -221,19 +225,23 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
         if not work:
             break
         t0 = time.perf_counter()
-        x = {b: model.embed_tokens(tokens, step) for b, (_, step, tokens) in work.items()}
         rope = {b: model.rope_for(step) for b, (_, step, _) in work.items()}
         host_kv.begin_step({b: step for b, (_, step, _) in work.items() if b not in caches}, model.num_local_layers)
+        acts.begin_step({b: len(tokens) for b, (_, _, tokens) in work.items()}, model.num_local_layers)
+        for b, (_, step, tokens) in work.items():
+            acts.store(b, EMBEDDING, model.embed_tokens(tokens, step))            # layer 0's input
         for layer in range(model.num_local_layers):
             model.weights.fetch(layer)                                            # once for the whole block
             for b, (_, step, _) in work.items():
                 cache = caches[b] if b in caches else host_kv.cache_for(b, layer)
-                x[b] = model.run_layer(layer, x[b], step, cache, rope[b])
+                x = acts.load(b, layer)                                           # [T, D]
+                acts.store(b, layer, model.run_layer(layer, x, step, cache, rope[b]))
                 if b not in caches:
                     host_kv.store(b, layer)
             model.weights.release(layer)
         for b, (slots, step, _) in work.items():
-            _sample_batch(model, [seqs[batches[b][s]] for s in slots], model.logits(x[b], step), params, eos)
+            logits = model.logits(acts.load(b, model.num_local_layers), step)     # the last layer's output
+            _sample_batch(model, [seqs[batches[b][s]] for s in slots], logits, params, eos)
         elapsed = time.perf_counter() - t0
         if first:
             prefill = elapsed
@@ -246,10 +254,14 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     times.prompt_tokens += sum(len(s.prompt) for s in seqs)
     times.generated_tokens += sum(len(s.generated) for s in seqs)
     host_kv.finish()
+    acts.finish()
     device_kv = sum(c.nbytes for c in caches.values()) + host_kv.device_bytes
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, device_kv)
     times.kv_bytes_to_device += host_kv.bytes_to_device
     times.kv_bytes_to_host += host_kv.bytes_to_host
+    times.act_peak_device_bytes = max(times.act_peak_device_bytes, acts.peak_device_bytes)
+    times.act_bytes_to_device += acts.bytes_to_device
+    times.act_bytes_to_host += acts.bytes_to_host
     return [(s.generated, s.finish_reason) for s in seqs]
 
 
