@@ -30,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -361,11 +362,21 @@ def plan_setups(args, arch, budget: int, work_root: Path, bw: dict) -> tuple[lis
         setup, details = recommended(args, arch, args.prompt_len, budget, work_root, bw)
         policy_search = details
         if setup is not None:
-            todo += [setup, *plan_ablations(setup)]
+            todo += [setup, *(fitted(args, a, work_root) for a in plan_ablations(setup))]
     if args.only:
         groups = set(args.only.split(","))
         todo = [s for s in todo if s.group in groups]
     return todo, policy_search
+
+
+def fitted(args, setup: Setup, work: Path) -> Setup:
+    """An ablation of the LP's policy under the runtime's budget check: turning CPU attention off adds the KV
+    staging buffers, so weights_gpu may have to give way (fit_runtime_budget), as a re-plan would."""
+    keys, moved = fit_runtime_budget(args, setup.keys, work)
+    if not moved:
+        return setup
+    return replace(setup, keys=keys, role=f"{setup.role} (weights_gpu lowered to {keys['weights_gpu']:g} to "
+                                          f"pass the runtime's budget check)")
 
 
 def run_rounds(args, todo: list, prompts: list, bw: dict, work_root: Path, t_start: float) -> tuple[dict, dict]:
