@@ -200,13 +200,18 @@ def run_tiny_llama(run_cli, cwd, root, out, n, sets, max_new: int, metrics=None)
     return run_job(run_cli, cwd, root / "m.h5", root / "p.jsonl", out, n, sets, max_new, metrics)
 
 
+def job_config(path, checkpoint, prompts, out, max_new: int, model: str = "", metrics=None) -> Path:
+    """Write a `[generate]` run config of `checkpoint` (extra `[model]` lines in `model`) at `path`, EOS ignored."""
+    Path(path).write_text(f'[model]\ncheckpoint = "{checkpoint}"\n{model}[generate]\nprompts = "{prompts}"\n'
+                          f'output = "{out}"\nmax_new_tokens = {max_new}\nignore_eos = true\n'
+                          + (f'metrics = "{metrics}"\n' if metrics is not None else ""))
+    return Path(path)
+
+
 def run_job(run_cli, cwd, checkpoint, prompts, out, n, sets, max_new: int, metrics=None) -> str:
     """`hpcinfer run` of `checkpoint` on the token prompts file on n ranks with these --set overrides, EOS ignored,
     writing `out` (and the metrics to `metrics` if given); asserts exit 0 and returns the output's text."""
-    config = Path(out).with_suffix(".toml")
-    config.write_text(f'[model]\ncheckpoint = "{checkpoint}"\n[generate]\nprompts = "{prompts}"\n'
-                      f'output = "{out}"\nmax_new_tokens = {max_new}\nignore_eos = true\n'
-                      + (f'metrics = "{metrics}"\n' if metrics is not None else ""))
+    config = job_config(Path(out).with_suffix(".toml"), checkpoint, prompts, out, max_new, metrics=metrics)
     args = ["run", str(config)] + [a for s in sets for a in ("--set", s)]
     done = run_cli(args, n=n, timeout=120, cwd=cwd)
     assert done.returncode == 0, done.stderr

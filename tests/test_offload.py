@@ -692,3 +692,27 @@ def test_budget_cost_model_and_runtime_count_the_same_bytes(tmp_path, name):
     assert plan["parts"]["resident layers"] == layers[0] and plan["host"] == sum(layers[1:])
     assert sizes.layer_weight_bytes * arch.num_layers == sum(layers)
     assert sizes.total_weight_bytes == sum(layers) + tables
+
+
+def emulated_cupy_matches_numpy(off, counter: str) -> None:
+    """Run tiny-dense under `off` on NumPy and on the stand-in for cupy: the same tokens; the copies the zig-zag
+    counts under `counter` ("kv" or "act": <counter>_bytes_to_device / _to_host / _peak_device_bytes) equal
+    NumPy's, are > 0, and are exactly the stand-in's asynchronous copies, all from pinned buffers."""
+    emu = pytest.importorskip("emu_cupy")
+    from hpcinfer.kernels import emulate
+
+    if emulate.unavailable() is not None:
+        pytest.skip(f"kernel emulator unavailable: {emulate.unavailable()}")
+    prompts = make_prompts()[:4]
+    moved = lambda t: (getattr(t, f"{counter}_bytes_to_device"), getattr(t, f"{counter}_bytes_to_host"))
+    want, cpu_times = generate(build(preset("tiny-dense"), off, NumpyOps()), prompts, off)
+    with emu.installed():
+        from hpcinfer.backend.cupy_ops import CupyOps
+
+        got, gpu_times = generate(build(preset("tiny-dense"), off, CupyOps(device=0)), prompts, off)
+        assert emu._state.pageable_async_copies == 0
+        assert emu._state.async_copy_bytes == sum(moved(gpu_times)) > 0
+    assert got == want
+    assert moved(gpu_times) == moved(cpu_times)
+    peak = f"{counter}_peak_device_bytes"
+    assert np.isclose(getattr(gpu_times, peak), getattr(cpu_times, peak))

@@ -167,47 +167,8 @@ def test_what_the_runtime_holds_is_accepted(tmp_path):
 def test_placed_activations_on_emulated_cupy_give_numpys_tokens_and_bytes():
     """act_gpu = 30 over 2 GPU batches on the stand-in for cupy: the host rows move on the copy stream from pinned
     buffers (a read before its event fails there), the device rows by device copies; NumPy's tokens and bytes."""
-    emu = pytest.importorskip("emu_cupy")
-    from hpcinfer.backend.numpy_ops import NumpyOps
-    from hpcinfer.kernels import emulate
-
-    if emulate.unavailable() is not None:
-        pytest.skip(f"kernel emulator unavailable: {emulate.unavailable()}")
-    prompts = make_prompts()[:4]
     off = offload(None, weights_gpu=100, act_gpu=30, act_cpu=70, schedule="zigzag", num_gpu_batches=2)
-    want, cpu_times = base.generate(base.build(preset("tiny-dense"), off, NumpyOps()), prompts, off)
-    with emu.installed():
-        from hpcinfer.backend.cupy_ops import CupyOps
-
-        got, gpu_times = base.generate(base.build(preset("tiny-dense"), off, CupyOps(device=0)), prompts, off)
-        assert emu._state.pageable_async_copies == 0
-        moved = gpu_times.act_bytes_to_device + gpu_times.act_bytes_to_host
-        assert emu._state.async_copy_bytes == moved > 0
-    assert got == want
-    assert (gpu_times.act_bytes_to_device, gpu_times.act_bytes_to_host) == (cpu_times.act_bytes_to_device,
-                                                                            cpu_times.act_bytes_to_host)
-    assert gpu_times.act_peak_device_bytes == cpu_times.act_peak_device_bytes
-
-
-@pytest.mark.mpi(min_size=2)
-def test_placed_activations_at_tp2_give_the_one_rank_tokens():
-    """tp = 2 (each rank 2 of the 4 KV heads, the hidden states whole on both), act_gpu = 30, cache in host
-    memory: the tokens of one rank with everything on the device, each rank moving all the host rows."""
-    import test_mpi_offload_kv_quant as mpi_kv
-    from mpi_helpers import world
-
-    if world().Get_size() % 2:
-        pytest.skip("tp = 2 needs an even number of ranks")
-    keys = dict(mpi_kv.ZIGZAG, act_gpu=30, act_cpu=70)
-    placed, times = mpi_kv.run("int8", keys, 2)
-    assert placed == mpi_kv.run("int8", dict(mpi_kv.HOST, schedule="zigzag"), 1)[0]
-    groups = micro_batches(len(mpi_kv.PROMPT_LENGTHS), keys["num_gpu_batches"])
-    steps = [[sum(mpi_kv.PROMPT_LENGTHS[i] for i in g) for g in groups]] + [[len(g) for g in groups]] * \
-        (mpi_kv.MAX_NEW - 1)
-    host_rows = sum(t - device_rows(t, 30) for step in steps for t in step)
-    assert times.act_bytes_to_device == times.act_bytes_to_host == host_rows * (LAYERS + 1) * HIDDEN * 4
-    assert all(t == placed for t in world().allgather(placed))
-
+    base.emulated_cupy_matches_numpy(off, "act")
 
 
 def test_hpcinfer_run_reports_the_activations_it_moved(run_cli, repo_root, tmp_path, prompts):

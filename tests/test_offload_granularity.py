@@ -14,7 +14,6 @@ What must hold:
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import test_offload as base
@@ -152,24 +151,5 @@ def test_a_split_cache_on_emulated_cupy_gives_numpys_tokens_and_bytes():
     """cache_gpu = 50 over 2 GPU batches of the stand-in for cupy: the device rows move by device copies on the
     compute stream, the host rows on the copy stream (a read before its event fails there); the tokens and the
     bytes over the link are the NumPy run's, and only the host rows' bytes were copied asynchronously."""
-    emu = pytest.importorskip("emu_cupy")
-    from hpcinfer.backend.numpy_ops import NumpyOps
-    from hpcinfer.kernels import emulate
-
-    if emulate.unavailable() is not None:
-        pytest.skip(f"kernel emulator unavailable: {emulate.unavailable()}")
-    prompts = make_prompts()[:4]
     off = offload(None, weights_gpu=100, cache_gpu=50, cache_cpu=50, schedule="zigzag", num_gpu_batches=2)
-    model = base.build(preset("tiny-dense"), off, NumpyOps())
-    want, cpu_times = base.generate(model, prompts, off)
-    with emu.installed():
-        from hpcinfer.backend.cupy_ops import CupyOps
-
-        got, gpu_times = base.generate(base.build(preset("tiny-dense"), off, CupyOps(device=0)), prompts, off)
-        assert emu._state.pageable_async_copies == 0
-        moved = gpu_times.kv_bytes_to_device + gpu_times.kv_bytes_to_host
-        assert emu._state.async_copy_bytes == moved > 0
-    assert got == want
-    assert (gpu_times.kv_bytes_to_device, gpu_times.kv_bytes_to_host) == (cpu_times.kv_bytes_to_device,
-                                                                          cpu_times.kv_bytes_to_host)
-    assert np.isclose(gpu_times.kv_peak_device_bytes, cpu_times.kv_peak_device_bytes)
+    base.emulated_cupy_matches_numpy(off, "kv")

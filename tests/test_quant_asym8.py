@@ -247,13 +247,11 @@ def test_tp1_and_tp2_give_identical_tokens(run_cli, repo_root, job, tmp_path):
 
 
 def test_conflicting_setting_is_refused_by_hpcinfer_run(run_cli, repo_root, job, tmp_path):
-    from cli_helpers import assert_fails_once_and_clearly
+    from cli_helpers import assert_fails_once_and_clearly, job_config
 
     ckpt = job / "asym8.h5"
-    config = tmp_path / "conflict.toml"
-    config.write_text(f'[model]\ncheckpoint = "{ckpt}"\nquantize = "int8"\n[generate]\nprompts = "{job / "p.jsonl"}"\n'
-                      f'output = "{tmp_path / "output.jsonl"}"\nmetrics = "{tmp_path / "metrics.json"}"\n'
-                      f'max_new_tokens = 2\n')
+    config = job_config(tmp_path / "conflict.toml", ckpt, job / "p.jsonl", tmp_path / "output.jsonl", 2,
+                        model='quantize = "int8"\n', metrics=tmp_path / "metrics.json")
     done = run_cli(["run", str(config)], cwd=repo_root)
     assert_fails_once_and_clearly(done, tmp_path, ["quantize = 'int8'", "already quantized as 'asym8'", str(ckpt)])
 

@@ -50,12 +50,10 @@ def test_stored_int4_checkpoint_gives_identical_tokens_at_tp1_and_tp2(run_cli, r
 def test_conflicting_quantize_group_is_refused_by_hpcinfer_run(run_cli, repo_root, job, stored_int4, tmp_path):
     """quantize = "int4" with a group size other than the stored one: exit 2 naming both values, before loading;
     the stored group or quantize = "none" run."""
-    from cli_helpers import assert_fails_once_and_clearly
+    from cli_helpers import assert_fails_once_and_clearly, job_config
 
-    config = job / "conflict.toml"
-    config.write_text(f'[model]\ncheckpoint = "{stored_int4}"\nquantize = "int4"\nquantize_group = 64\n'
-                      f'[generate]\nprompts = "{job / "p.jsonl"}"\noutput = "{tmp_path / "output.jsonl"}"\n'
-                      f'metrics = "{tmp_path / "metrics.json"}"\nmax_new_tokens = 2\n')
+    config = job_config(job / "conflict.toml", stored_int4, job / "p.jsonl", tmp_path / "output.jsonl", 2,
+                        model='quantize = "int4"\nquantize_group = 64\n', metrics=tmp_path / "metrics.json")
     done = run_cli(["run", str(config)], cwd=repo_root)
     assert_fails_once_and_clearly(done, tmp_path, ["quantize_group = 64", "groups of 16", str(stored_int4)])
     done = run_cli(["run", str(config), "--set", "model.quantize_group=16"], cwd=repo_root)
