@@ -152,3 +152,29 @@ def test_one_gpu_that_nothing_fits_gets_an_offload_policy(capsys):
     assert "offloading" in out
     offload = tomllib.loads(out)["offload"]
     assert offload["weights_gpu"] < 100 and offload["device_memory"] == 300_000
+
+
+def _batch_size_line(out: str) -> int:
+    line = next(x for x in out.splitlines() if x.startswith("# [generate] batch_size = "))
+    return int(line.split("=")[1].split()[0])
+
+
+@pytest.mark.parametrize("model, gpus, batch", [("gpt-13b", 16, 64), ("ds-moe-1.3b-128", 16, 128)])
+def test_printed_batch_size_runs_the_planned_batch(capsys, model, gpus, batch):
+    """The commented [generate] batch_size puts --batch sequences in flight as hpcinfer/job.py reads it: a dense
+    model's dp replicas each run their own batches (ceil(B / dp) each); an MoE model's replicas step together
+    through one batch of batch_size, each taking its np.array_split slice (so batch_size = B, not B / dp)."""
+    import numpy as np
+
+    assert main(["plan", "--model", model, "--gpus", str(gpus), "--batch", str(batch), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    par = _sections(out)["parallel"]
+    dp = gpus // (par["tp"] * par["pp"])
+    assert dp > 1                                                        # else the two readings coincide
+    size = _batch_size_line(out)
+    if "moe" in _sections(out):
+        assert size == batch
+        slices = np.array_split(np.arange(size), dp)                     # job.generate_share's lockstep split
+        assert max(len(s) for s in slices) == -(-batch // dp)
+    else:
+        assert size == -(-batch // dp) and size * dp >= batch > (size - 1) * dp

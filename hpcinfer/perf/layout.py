@@ -54,8 +54,16 @@ class Layout:
             text += f" ep{self.ep} etp{self.expert_tp} {self.all_to_all}"
         return text + f" mb{self.prompt_micro_batches}/{self.gen_micro_batches}"
 
-    def to_toml(self, moe: bool, batch_size: int) -> str:
-        """The [parallel] / [schedule] / [moe] sections (and the [generate] batch_size they assume, commented)."""
+    def batch_size(self, moe: bool, batch: int) -> int:
+        """The `[generate] batch_size` that puts `batch` sequences in flight on this layout, as hpcinfer/job.py
+        (generate_share) reads it: a dense model's dp replicas each take their own batches of batch_size, so
+        ceil(batch / dp); an MoE model's replicas exchange tokens in every MoE layer and step together through
+        ONE batch of batch_size, each taking its slice (np.array_split), so the whole batch."""
+        return batch if moe and self.dp > 1 else -(-batch // self.dp)
+
+    def to_toml(self, moe: bool, batch: int) -> str:
+        """The [parallel] / [schedule] / [moe] sections, and (commented: a [generate] section needs prompts and an
+        output) the batch_size that runs `batch` sequences over the whole job on this layout."""
         lines = ["[parallel]", f"tp = {self.tp}", f"pp = {self.pp}"]
         if moe:
             lines += [f"ep = {self.ep}", f"expert_tp = {self.expert_tp}"]
@@ -63,7 +71,13 @@ class Layout:
                   f"gen_micro_batches = {self.gen_micro_batches}"]
         if moe:
             lines += ["", "[moe]", f'all_to_all = "{self.all_to_all}"']
-        lines += ["", f"# [generate] batch_size = {batch_size}   (per data-parallel replica; dp = {self.dp})"]
+        size = self.batch_size(moe, batch)
+        if moe and self.dp > 1:
+            why = (f"the whole batch: the dp = {self.dp} MoE replicas split each batch in lockstep, "
+                   f"{-(-batch // self.dp)} sequences each")
+        else:
+            why = f"per data-parallel replica; dp = {self.dp}"
+        lines += ["", f"# [generate] batch_size = {size}   ({why})"]
         return "\n".join(lines) + "\n"
 
 

@@ -99,10 +99,9 @@ def table(result: PlanResult, moe: bool, top: int) -> list[str]:
 
 def best_toml(result: PlanResult, arch, work: Workload) -> list[str]:
     p = result.ranked[0]
-    b = work.per_replica(p.layout.dp)
     comm_share = p.stage_comm_s / (p.stage_comm_s + p.stage_compute_s) if p.stage_comm_s else 0.0
     return [f"# best: {p.layout.label(bool(arch.moe_experts))}: token {p.token_s * 1e3:.3g} ms "
             f"({comm_share:.0%} communication), prompt {p.prompt_s * 1e3:.4g} ms, "
             f"{p.throughput:.4g} tokens/s, {human_bytes(p.memory)} a GPU",
-            p.layout.to_toml(bool(arch.moe_experts), b).rstrip("\n")]
+            p.layout.to_toml(bool(arch.moe_experts), work.batch).rstrip("\n")]
 
