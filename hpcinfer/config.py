@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 import tomllib
 from dataclasses import dataclass, field
 
 from .backend.ops import BACKENDS
 from .comm.nccl_group import COMMS
 from .errors import ConfigError
+from .quant.formats import LOAD_MODES
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -55,7 +57,7 @@ class ModelSection:
     quantize: str = field(default="none", metadata=_meta(
         "quantize a float checkpoint's matrices while loading: int8 (symmetric per output channel), int4 / asym8 "
         "(group-wise asymmetric 4 / 8 bits; docs/quantization.md)",
-        choices=("none", "int8", "int4", "asym8")))
+        choices=LOAD_MODES))
     quantize_group: int = field(default=64, metadata=_meta("int4 / asym8 group size along each matrix's input dimension",
                                                            _positive))
     kv_cache: str = field(default="none", metadata=_meta(
@@ -379,10 +381,12 @@ def _check_offload(path: str, config) -> None:
         raise ConfigError(f"{path}: offload.act_gpu + offload.act_cpu = {off.act_gpu + off.act_cpu:g} must be 100: "
                           f"activations have no disk tier in this runtime (rows on the device, the rest in host "
                           f"memory)")
-    if off.cpu_attention and 0 < off.cache_gpu < 100:
-        raise ConfigError(f"{path}: offload.cpu_attention = true with offload.cache_gpu = {off.cache_gpu:g}: CPU "
-                          f"attention needs the whole KV cache in host memory (cache_gpu = 0, cache_cpu = 100); "
-                          f"set cpu_attention = false to split the cache between the tiers")
+    if off.cpu_attention and off.cache_gpu > 0:
+        what = "has no host cache to attend over (it would do nothing)" if off.cache_gpu >= 100 else \
+            "would need the cache split between the tiers, which it does not attend over"
+        raise ConfigError(f"{path}: offload.cpu_attention = true with offload.cache_gpu = {off.cache_gpu:g} "
+                          f"{what}: CPU attention needs the whole KV cache in host memory (cache_gpu = 0, "
+                          f"cache_cpu = 100); otherwise set cpu_attention = false")
     if off.weights_gpu + off.weights_cpu < 100 and off.disk_dir is None:
         raise ConfigError(f"{path}: offload.weights_gpu + weights_cpu < 100 puts weights on disk: set "
                           f"offload.disk_dir")
@@ -406,8 +410,14 @@ def _check_offload(path: str, config) -> None:
                           f"{config.generate.batch_size} (the block)")
 
 
+class FractionalBytes(ValueError):
+    """A size that is not a whole number of bytes ("1.5B", "0.3KiB")."""
+
+
 def parse_bytes(value) -> int:
-    """An integer number of bytes, or a string with a unit: "512MB", "2GiB", "1.5 GB" (decimal or binary)."""
+    """An integer number of bytes, or a string with a unit: "512MB", "2GiB", "1.5 GB" (decimal or binary). A
+    fraction with a unit is allowed when it makes whole bytes ("1.5GB", "0.5KiB"); a fractional byte count
+    ("1.5B", "2.5", "1.1KiB" = 1126.4 bytes) raises FractionalBytes, never rounded down."""
     if isinstance(value, int):
         return value
     text = value.strip().lower().replace(" ", "")
@@ -415,15 +425,19 @@ def parse_bytes(value) -> int:
     unit = text[len(number):]
     if unit not in _UNITS or not number:
         raise ValueError(value)
-    size = float(number) * _UNITS[unit]
-    if not math.isfinite(size):                        # "inf", "1e400GB": no byte count
+    if not math.isfinite(float(number)) or abs(float(number) * _UNITS[unit]) > 2**80:   # "inf", "1e400GB"
         raise ValueError(value)
+    size = Fraction(number) * _UNITS[unit]             # exact: "2.3GB" is 2,300,000,000, not 2,299,999,999
+    if size.denominator != 1:
+        raise FractionalBytes(f"{float(size):g} bytes is not a whole number of bytes")
     return int(size)
 
 
 def _bytes_check(value):
     try:
         return parse_bytes(value) >= 0, "must be >= 0"
+    except FractionalBytes as exc:
+        return False, f"is a fractional byte count ({exc}); give whole bytes, e.g. \"2\" or \"1.5KB\""
     except ValueError:
         return False, "must be a number of bytes or a size such as \"512MB\" or \"2GiB\""
 

@@ -229,6 +229,18 @@ KEY_ERRORS = {
                                ["schedule.kv_offload_threshold", "512MB"]),
     "offload threshold type": ({"schedule.kv_offload_threshold": "1.5"},
                                ["schedule.kv_offload_threshold = 1.5", "number of bytes"]),
+    "fractional bytes": ({"offload.device_memory": '"1.5B"'},
+                         ["offload.device_memory = '1.5B'", "fractional byte count", "whole bytes"]),
+    "quantize mode": ({"model.quantize": '"int3"'},
+                      ["model.quantize = 'int3'", "not allowed", "none, int8, int4, asym8"]),
+    "cpu_attention over a device cache": (
+        {"offload.schedule": '"zigzag"', "offload.cpu_attention": "true"},
+        ["offload.cpu_attention = true", "offload.cache_gpu = 100", "nothing", "cache_gpu = 0, cache_cpu = 100",
+         "cpu_attention = false"]),
+    "cpu_attention over a split cache": (
+        {"offload.schedule": '"zigzag"', "offload.cpu_attention": "true", "offload.cache_gpu": "40",
+         "offload.cache_cpu": "60"},
+        ["offload.cpu_attention = true", "offload.cache_gpu = 40", "cache_gpu = 0, cache_cpu = 100"]),
 }
 
 

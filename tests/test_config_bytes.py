@@ -60,3 +60,22 @@ def test_a_size_option_with_junk_names_the_option_and_value(value, words):
     message = str(caught.value)
     for fragment in ("--device-memory", repr(value), *words):
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("value, size", [("1.5GiB", 3 * 2**29), ("1.5GB", 1_500_000_000), ("2.3GB", 2_300_000_000),
+                                         ("0.5KiB", 512), ("1e3", 1000), ("7B", 7), (" 2 MB ", 2_000_000)])
+def test_a_fraction_with_a_unit_that_makes_whole_bytes_is_exact(value, size):
+    assert parse_bytes(value) == size
+
+
+@pytest.mark.parametrize("value", ["1.5B", "2.5", "1.1KiB", "0.0001KB"])
+def test_a_fractional_byte_count_is_refused_not_rounded_down(value):
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_bytes(value)
+
+
+@pytest.mark.parametrize("key", BYTE_KEYS)
+def test_a_config_fractional_byte_count_names_the_key_value_and_the_rule(tmp_path, key):
+    message = refusal(config_with(tmp_path, key, "1.5B"))
+    for fragment in (key, "'1.5B'", "fractional byte count", "1.5 bytes"):
+        assert fragment in message, f"{fragment!r} not in {message!r}"

@@ -567,7 +567,8 @@ def test_half_of_every_gpu_batchs_cache_rows_stay_on_the_device(prompts, dense_r
     assert times.kv_peak_device_bytes == sum(device)
 
 
-@pytest.mark.parametrize("keys", [dict(cache_gpu=0, cache_cpu=100), dict(cpu_attention=True)],
+@pytest.mark.parametrize("keys", [dict(cache_gpu=0, cache_cpu=100),
+                                  dict(cache_gpu=0, cache_cpu=100, cpu_attention=True)],
                          ids=["cache-on-host", "cpu-attention"])
 def test_the_row_schedule_refuses_a_host_resident_cache(tmp_path, keys):
     """Row by row runs one GPU batch at a time with its cache on the device: asking for more is an error."""

@@ -128,8 +128,18 @@ def test_what_the_runtime_cannot_hold_is_an_error(tmp_path, keys, names):
 
 def test_what_the_runtime_holds_is_accepted(tmp_path):
     for keys in (dict(cache_gpu=33.33, cache_cpu=66.67), dict(cache_gpu=0, cache_cpu=100, cpu_attention=True),
-                 dict(cache_gpu=100, cache_cpu=0, cpu_attention=True)):
+                 dict(cache_gpu=100, cache_cpu=0)):
         config_for(tmp_path, weights_gpu=0, weights_cpu=100, schedule="zigzag", **keys)
+
+
+def test_cpu_attention_over_a_device_cache_is_refused_not_ignored(tmp_path):
+    """cache_gpu = 100 leaves no host cache for CPU attention to read: it would do nothing, so it is an error
+    naming both keys and the placement it needs."""
+    with pytest.raises(ConfigError) as caught:
+        config_for(tmp_path, weights_gpu=0, weights_cpu=100, schedule="zigzag", cache_gpu=100, cache_cpu=0,
+                   cpu_attention=True)
+    for fragment in ("offload.cpu_attention = true", "offload.cache_gpu = 100", "cache_gpu = 0, cache_cpu = 100"):
+        assert fragment in str(caught.value)
 
 
 def test_the_planner_splits_the_cache_between_device_and_host_only():
