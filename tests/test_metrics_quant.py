@@ -91,3 +91,39 @@ def test_hpcinfer_run_metrics_report_quantized_weight_bytes(llama, run_cli, repo
     assert memory["int4"]["weight_bytes_per_rank"] < 0.3 * memory["f32"]["weight_bytes_per_rank"]
     assert quantized / tp <= memory["int4"]["weight_bytes_per_rank"] <= quantized / tp * 1.1   # norms: whole per rank
     assert memory["int4"]["dequant_scratch_bytes_per_rank"] > 0 == memory["f32"]["dequant_scratch_bytes_per_rank"]
+
+
+def sharded_layers(model) -> dict:
+    """Every sharded layer of a dense decoder by name: the fused q/k/v and the o projection, the MLP's fused
+    gate/up and down, the embedding and the LM head (the same object when tied)."""
+    layers = {"embed": model.embed, "lm_head": model.lm_head}
+    for i, block in enumerate(model.blocks):
+        layers.update({f"{i}.attn.qkv": block.attn.qkv, f"{i}.attn.o": block.attn.out, f"{i}.mlp.up": block.mlp.up,
+                       f"{i}.mlp.down": block.mlp.down})
+    return layers
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantized_layers_hold_no_float_copy_and_weight_bytes_counts_their_arrays(llama, mode):
+    """After loading with [model] quantize, every sharded layer's float attribute (`w`, or `table` for the
+    embedding / LM head) is None, and parallel.layers.weight_bytes is exactly the bytes of its quantized arrays
+    (q, scale and, int4, min). A float matrix kept beside the quantized one counts too."""
+    from hpcinfer.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, weight_bytes
+
+    model = load_model(str(llama / "f32.h5"), quantize=mode, group_size=16)
+    layers = sharded_layers(model)
+    assert len(layers) == 2 + 4 * model.arch.num_layers
+    for name, layer in layers.items():
+        table = isinstance(layer, VocabParallelEmbedding)
+        assert table or isinstance(layer, (ColumnParallelLinear, RowParallelLinear)), name
+        float_attr, quant_attr = ("table", "qtable") if table else ("w", "qw")
+        assert getattr(layer, float_attr) is None, (mode, name)
+        qt = getattr(layer, quant_attr)
+        assert qt is not None and qt.mode == mode, (mode, name)
+        arrays = [qt.q, qt.scale] + ([] if qt.min is None else [qt.min])
+        assert (qt.min is None) == (mode == "int8")
+        assert weight_bytes(layer) == sum(a.nbytes for a in arrays) == qt.nbytes, (mode, name)
+    layer = model.blocks[0].mlp.down
+    quantized = weight_bytes(layer)
+    layer.w = np.zeros(layer.qw.shape, np.float32)                # a float copy kept next to the quantized one
+    assert weight_bytes(layer) == quantized + layer.w.nbytes

@@ -51,13 +51,11 @@ def vocab_shard(vocab: int, parts: int, index: int) -> tuple[int, int, int]:
 
 
 def weight_bytes(layer) -> int:
-    """Bytes of weights a sharded layer holds (quantized arrays, or the float matrix)."""
-    q = getattr(layer, "qw", None) or getattr(layer, "qtable", None)
-    if q is not None:
-        return q.nbytes
-    w = getattr(layer, "w", None)
-    w = getattr(layer, "table", None) if w is None else w
-    return 0 if w is None else int(w.nbytes)
+    """Bytes of weights a sharded layer holds: its quantized arrays (`qw` / `qtable`: q, scale, min) plus its float
+    matrix (`w` / `table`). A loaded layer holds one of the two; both are counted so that a float copy kept next
+    to a quantized one would show."""
+    held = [getattr(layer, name, None) for name in ("qw", "qtable", "w", "table")]
+    return sum(int(a.nbytes) for a in held if a is not None)
 
 
 class Replicated:
