@@ -353,6 +353,28 @@ def test_the_budget_error_names_every_part(tmp_path):
         check_budgets(source.arch, config, partition_layers(source.arch, 1), list(PROMPT_LENGTHS))
 
 
+def test_the_host_budget_error_itemizes_layers_kv_rows_and_activation_rows(tmp_path):
+    """Weights, the KV cache and the activations all in host memory (zig-zag, 2 GPU batches of 4): the host error
+    names each part with its bytes, by hand for tiny-dense (4 layers, 4 KV heads of 16, D = 64): KV: 8 sequences x
+    4 heads = 32 rows x 4 layers x (14 + 6 positions) x 16 values x 4 bytes x 2 (K, V) = 327,680; activations: the
+    55 prompt tokens x 64 x 4 = 14,080; and its advice names every key that takes bytes out of the host."""
+    from hpcinfer.offload.sizes import layer_bytes
+
+    arch = preset("tiny-dense").arch
+    config = config_for(tmp_path, weights_gpu=0, weights_cpu=100, cache_gpu=0, cache_cpu=100, act_gpu=0,
+                        act_cpu=100, schedule="zigzag", num_gpu_batches=2, host_memory="1KB")
+    layers = 4 * layer_bytes(arch, 0, 4)
+    kv, acts = 32 * 4 * 20 * 16 * 4 * 2, sum(PROMPT_LENGTHS) * 64 * 4
+    assert (kv, acts) == (327_680, 14_080)
+    with pytest.raises(ConfigError) as info:
+        check_budgets(arch, config, partition_layers(arch, 1), list(PROMPT_LENGTHS))
+    message = str(info.value)
+    for fragment in (f"host_memory = 1,000 bytes cannot hold this plan: {layers + kv + acts:,} bytes needed on the "
+                     f"host (host layers {layers:,}, KV cache rows in host memory {kv:,}, activation rows in host "
+                     f"memory {acts:,})", "lower weights_cpu", "cache_cpu", "act_cpu", "or raise host_memory"):
+        assert fragment in message, message
+
+
 # ------------------------------------------------------------------------------------------------------ disk
 
 def test_the_disk_tier_is_one_file_per_tensor_read_back_during_the_run(prompts, dense_reference, tmp_path,

@@ -62,6 +62,8 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
         "disk": kept("disk"),
         "parts": {"resident layers": resident, "streaming window": window, "embedding tables": tables,
                   "KV cache on the device": kv_device + staging, "activations on the device": act_device},
+        "host_parts": {"host layers": kept("host"), "KV cache rows in host memory": kv_host,
+                       "activation rows in host memory": act_host},
     }
 
 
@@ -99,17 +101,24 @@ def act_plan_bytes(arch, config, prompt_lengths: list) -> tuple[int, int]:
     return device, host
 
 
+# What to change when a tier does not fit: the keys that take bytes out of it.
+_ADVICE = {"device": "lower weights_gpu / cache_gpu / act_gpu",
+           "host": "lower weights_cpu (more layers on disk) / cache_cpu (more KV rows on the device) / act_cpu "
+                   "(more activation rows on the device)"}
+
+
 def check_budgets(arch, config, stages, prompt_lengths: list, quant_of=None, fetch_share: int = 1) -> None:
+    """A ConfigError naming the tier, its budget, the bytes the plan needs there and each part of them, when a
+    stage's plan does not fit `device_memory` or `host_memory`."""
     off = config.offload
     for stage in stages:
         plan = plan_bytes(arch, config, stage, prompt_lengths, quant_of, fetch_share)
         for tier, key in (("device", "device_memory"), ("host", "host_memory")):
             budget = parse_bytes(getattr(off, key))
             if budget and plan[tier] > budget:
-                parts = ", ".join(f"{k} {int(v):,}" for k, v in plan["parts"].items()) if tier == "device" else \
-                    f"layers, KV cache and activations in host memory {int(plan['host']):,}"
-                advice = "lower weights_gpu / cache_gpu / act_gpu" if tier == "device" else \
-                    "lower weights_cpu (more layers on disk) / cache_cpu (more KV rows on the device)"
+                itemized = plan["parts"] if tier == "device" else plan["host_parts"]
+                parts = ", ".join(f"{k} {int(v):,}" for k, v in itemized.items())
+                advice = _ADVICE[tier]
                 raise ConfigError(f"{config.path}: [offload] {key} = {budget:,} bytes cannot hold this plan: "
                                   f"{int(plan[tier]):,} bytes needed on the {tier} ({parts}); {advice}, or raise "
                                   f"{key}")
