@@ -40,6 +40,26 @@ def test_round_trip_within_half_a_step_per_element(mode, group):
     bound = step / 2 + 1e-6 * np.abs(x) + 1e-7                                 # + float32 multiply-add rounding
     assert np.all(err <= bound), float((err / np.maximum(bound, 1e-30)).max())
     assert np.abs(y[0, 0] - 0.3).max() < 1e-5                                  # a constant row: a tiny step
+    check_scale_and_min(x, scale, low, group, (1 << fmt.bits) - 1)
+
+
+def check_scale_and_min(x, scale, low, group, top):
+    """The half-step bound above takes the step from the returned scale, so a scale too large would pass it; this
+    pins (scale, min) to the group's own range. Derivation (quant/kv.quantize_rows):
+      low = the largest float16 <= x.min, so  x.min - u <= low <= x.min,  u = the float16 spacing at |low| (the
+        float16 neighbour of low towards x.min is at most that far);
+      scale = the smallest float16 >= fl32(fl32(x.max - low) / top): two float32 roundings (relative 2^-24 each)
+        and one float16 rounding up (relative 2^-10 for a normal float16, absolute 2^-24 below 2^-14), so
+        (x.max - low) / top * (1 - 2^-23) <= scale <= (x.max - low) / top * (1 + 2^-10) * (1 + 2^-23) + 2^-24,
+      with x.max - low = (x.max - x.min) + (x.min - low), the second part at most u."""
+    x = x.astype(np.float64).reshape(*scale.shape, group)
+    lo, hi = x.min(axis=-1), x.max(axis=-1)
+    low64, scale64 = low.astype(np.float64), scale.astype(np.float64)
+    u = np.spacing(np.abs(low)).astype(np.float64)                             # float16 spacing at |low|
+    assert np.all(low64 <= lo) and np.all(lo - u <= low64)
+    assert np.all(scale64 <= (hi - lo) / top * (1 + 2.0 ** -10) * (1 + 2.0 ** -23)
+                  + (lo - low64) / top * (1 + 2.0 ** -10) * (1 + 2.0 ** -23) + 2.0 ** -24)
+    assert np.all(scale64 >= (hi - low64) / top * (1 - 2.0 ** -23))            # the grid reaches x.max
 
 
 def test_constant_groups_and_exact_grids_round_trip_exactly():
