@@ -17,6 +17,7 @@ from hpcinfer.perf.step import Workload, layer_time, predict
 INTRA, INTER = Link(1e-6, 1e9), Link(1e-5, 1e8)
 LINKS = Links(INTRA, INTER)
 NO_LINK = Links(Link(0.0, 1e30), Link(0.0, 1e30))
+F32 = Workload(1, 1, 1, "float32")               # layer_time reads only its itemsize (and quantization: none)
 
 
 def _tiny(**changes) -> ModelArch:
@@ -71,9 +72,9 @@ def test_moe_layer_adds_the_experts_flops_and_bytes():
     # FLOPs = 2 * 64 + 4 * 1 * 10 * 4 (attention) + 2 * 1 * 64 (one expert) + 2 * 1 * 4 * 4 (gate) = 448
     # bytes = 4 * 64 + 10 * 2 * 4 * 4 (K, V) + 4 * 64 * 1 (experts hit: 4 (1 - (3/4)^1) = 1) = 832
     arch, layout = _tiny(moe_experts=(4, 0)), Layout(tp=1, pp=1, dp=1)
-    compute, comm = layer_time(arch, 0, layout, 1, 1, 10, 4, _hw(1e3, 1e12), NO_LINK)
+    compute, comm = layer_time(arch, 0, layout, 1, 1, 10, F32, _hw(1e3, 1e12), NO_LINK)
     assert compute == pytest.approx(0.448) and comm == 0.0
-    compute, _ = layer_time(arch, 0, layout, 1, 1, 10, 4, _hw(1e12, 1e3), NO_LINK)
+    compute, _ = layer_time(arch, 0, layout, 1, 1, 10, F32, _hw(1e12, 1e3), NO_LINK)
     assert compute == pytest.approx(0.832)
 
 
@@ -83,10 +84,10 @@ def test_moe_layer_over_two_expert_parallel_ranks():
     # comm: flat all-to-all between the 2 ranks (one node): 1 message of 1 * 1 / 2 rows x 16 bytes, twice
     arch = _tiny(moe_experts=(4, 0))
     layout = Layout(tp=1, pp=1, dp=2, ep=2, ranks_per_node=2)
-    compute, comm = layer_time(arch, 0, layout, 1, 1, 10, 4, _hw(1e3, 1e12), LINKS)
+    compute, comm = layer_time(arch, 0, layout, 1, 1, 10, F32, _hw(1e3, 1e12), LINKS)
     assert compute == pytest.approx(0.448)
     assert comm == pytest.approx(2 * (1e-6 + 0.5 * 16 / 1e9))
-    compute, _ = layer_time(arch, 0, layout, 1, 1, 10, 4, _hw(1e12, 1e3), LINKS)
+    compute, _ = layer_time(arch, 0, layout, 1, 1, 10, F32, _hw(1e12, 1e3), LINKS)
     assert compute == pytest.approx((256 + 320 + 224) / 1e3)
 
 
@@ -97,7 +98,7 @@ def test_memory_per_rank():
     work = Workload(batch=4, prompt_len=8, gen_len=4, dtype="float32")           # 2 sequences a replica
     # weights: 2 layers x (128 matrix + 4 D norm) + embedding V D + final norm 2 D + LM head V D, float32
     weights = 4 * (2 * (128 + 16) + 64 + 8 + 64)
-    assert weight_bytes(arch, layout, range(2), True, True, 4) == weights
+    assert weight_bytes(arch, layout, range(2), True, True, F32) == weights
     # KV: 4 bytes x K and V x 4 (Hkv hd) x 2 layers x 2 sequences x (8 + 4) positions
     kv = 4 * 2 * 4 * 2 * 2 * 12
     assert kv_bytes(arch, layout, 2, work) == kv

@@ -30,22 +30,23 @@ def _hw(flops: float, bandwidth: float, **links) -> HardwareProfile:
 
 
 NO_LINK = Links(Link(0.0, 1e30), Link(0.0, 1e30))
+F32 = Workload(1, 1, 1, "float32")               # layer_time reads only its itemsize (and quantization: none)
 
 
 def test_one_layer_matmuls_compute_bound_and_memory_bound():
     # decode: t = 1 token, m = 1 sequence, c = 10 cached positions, float32
     # FLOPs = 2 * 128 params + 4 * t * c * q = 256 + 160 = 416; bytes = 4 * 128 + c * 2 * kv * 4 = 512 + 320 = 832
     arch, layout = _tiny(), Layout(tp=1, pp=1, dp=1)
-    compute, comm = layer_time(arch, 0, layout, 1, 1, 10, 4, _hw(1e3, 1e12), NO_LINK)
+    compute, comm = layer_time(arch, 0, layout, 1, 1, 10, F32, _hw(1e3, 1e12), NO_LINK)
     assert compute == pytest.approx(0.416) and comm == 0.0
-    compute, _ = layer_time(arch, 0, layout, 1, 1, 10, 4, _hw(1e12, 1e3), NO_LINK)
+    compute, _ = layer_time(arch, 0, layout, 1, 1, 10, F32, _hw(1e12, 1e3), NO_LINK)
     assert compute == pytest.approx(0.832)
 
 
 def test_tensor_parallel_layer_splits_work_and_adds_two_all_reduces():
     arch = _tiny(num_heads=2, num_kv_heads=2, head_dim=2, rotary_dim=2)
     links = Links(Link(1e-3, 1e6), Link(1.0, 1.0))
-    compute, comm = layer_time(arch, 0, Layout(tp=2, pp=1, dp=1, ranks_per_node=2), 1, 1, 10, 4, _hw(1e3, 1e12),
+    compute, comm = layer_time(arch, 0, Layout(tp=2, pp=1, dp=1, ranks_per_node=2), 1, 1, 10, F32, _hw(1e3, 1e12),
                                links)
     assert compute == pytest.approx(0.208)                                 # half of the tp = 1 FLOPs
     # two ring all-reduces of 16 bytes over 2 ranks: 2 messages and 16 bytes each
@@ -112,9 +113,9 @@ def test_decode_of_a_big_dense_model_is_memory_bound():
 
 def test_weight_bytes_add_up_over_tp_ranks():
     arch = PRESETS["gpt-13b"]
-    whole = weight_bytes(arch, Layout(tp=1, pp=1, dp=1), range(arch.num_layers), True, True, 2)
+    whole = weight_bytes(arch, Layout(tp=1, pp=1, dp=1), range(arch.num_layers), True, True, Workload(1, 1, 1))
     assert whole == pytest.approx(2 * arch.param_count(), rel=0.01)
-    shard = weight_bytes(arch, Layout(tp=8, pp=1, dp=1), range(arch.num_layers), True, True, 2)
+    shard = weight_bytes(arch, Layout(tp=8, pp=1, dp=1), range(arch.num_layers), True, True, Workload(1, 1, 1))
     assert shard == pytest.approx(whole / 8, rel=0.02)
 
 

@@ -146,12 +146,14 @@ def test_trillion_parameter_moe_on_256_a100s_is_under_25_ms(model):
 
 
 def test_one_gpu_that_nothing_fits_gets_an_offload_policy(capsys):
-    assert main(["plan", "--model", "tiny-dense", "--gpus", "1", "--gpu-memory", "300KB", "--prompt-len", "16",
+    # 400 KB: below the layout's need, above the offload plan's working buffers for one sequence (~337 KB with
+    # the activation staging buffers counted)
+    assert main(["plan", "--model", "tiny-dense", "--gpus", "1", "--gpu-memory", "400KB", "--prompt-len", "16",
                  "--gen-len", "4"]) == 0
     out = capsys.readouterr().out
     assert "offloading" in out
     offload = tomllib.loads(out)["offload"]
-    assert offload["weights_gpu"] < 100 and offload["device_memory"] == 300_000
+    assert offload["weights_gpu"] < 100 and offload["device_memory"] == 400_000
 
 
 def _batch_size_line(out: str) -> int:

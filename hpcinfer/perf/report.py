@@ -10,13 +10,27 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..offload.policy import human_bytes
+from .layout import Layout
+from .memory import weight_bytes
 from .planner import OBJECTIVES, PlanResult, plan
-from .step import ITEMSIZE, Workload
+from .step import Workload
 
 DEFAULT_HARDWARE = "dgx-a100-40gb"
 
 
+# Options of `hpcinfer plan` that only the offload planner (no --gpus) reads, with their argparse defaults: the
+# layout planner keeps every weight and the cache on the GPUs, so given with --gpus they would be silently ignored.
+OFFLOAD_ONLY = {"schedule": "zigzag", "prefetch_layers": 1, "cpu_attention": "auto", "fix": [],
+                "host_memory": None, "disk_memory": None, "max_latency": None, "candidates": 10, "backend": "auto"}
+_INSTEAD = {"max_latency": " (with --gpus: --latency-budget MS)", "candidates": " (with --gpus: --top K)"}
+
+
 def _check_args(args) -> None:
+    for name, default in OFFLOAD_ONLY.items():
+        if getattr(args, name, default) != default:
+            raise ConfigError(f"--{name.replace('_', '-')} is an offload planner option (`hpcinfer plan` without "
+                              f"--gpus, docs/offload-planning.md); the layout planner (--gpus) keeps weights and "
+                              f"KV cache on the GPUs and does not read it{_INSTEAD.get(name, '')}: remove it")
     for name in ("gpus", "batch", "prompt_len", "gen_len"):
         value = getattr(args, name)
         if value < 1:
@@ -42,11 +56,13 @@ def plan_layouts(args, arch, dtype: str, gpu_memory: int | None) -> int:
     """Search and print (the argparse namespace of `hpcinfer plan`; arch and dtype resolved from --model)."""
     _check_args(args)
     hw = resolve_hardware(args, gpu_memory)
-    work = Workload(args.batch, args.prompt_len, args.gen_len, dtype)
+    quant_of, kv = quantization(args, arch)
+    work = Workload(args.batch, args.prompt_len, args.gen_len, dtype, quant_of, kv)
     budget = None if args.latency_budget is None else args.latency_budget / 1e3
     result = plan(arch, args.gpus, work, hw, args.objective, budget)
-    header = [f"# hpcinfer plan: {args.model} ({arch.param_count() / 1e9:.3g}B parameters, {dtype}: "
-              f"{human_bytes(arch.param_count() * ITEMSIZE[dtype])}) on {args.gpus} GPUs of {hw.name} "
+    held = weight_bytes(arch, Layout(1, 1, 1), range(arch.num_layers), True, True, work)
+    header = [f"# hpcinfer plan: {args.model} ({arch.param_count() / 1e9:.3g}B parameters, {dtype}"
+              f"{_quant_label(args, quant_of, kv)}: {human_bytes(held)}) on {args.gpus} GPUs of {hw.name} "
               f"({human_bytes(hw.device_memory)} each, {hw.gpus_per_node} a node)",
               f"# workload: batch {work.batch} (over the dp replicas), prompt {work.prompt_len}, generate "
               f"{work.gen_len}; objective {args.objective}"
@@ -63,11 +79,34 @@ def plan_layouts(args, arch, dtype: str, gpu_memory: int | None) -> int:
     return 0
 
 
+def quantization(args, arch) -> tuple:
+    """(quant_of, kv_format) of `--quantize` / `--kv-cache` (and their groups) as the offload planner reads them
+    (cli._plan_quant: a quantized checkpoint counts as stored; cli._plan_kv_format), quant_of None when no weight
+    is quantized. Read through the CLI's own helpers so that both planners agree on what is quantized."""
+    from ..cli import _plan_kv_format, _plan_quant
+    from ..model.arch import tensor_shapes
+
+    quant_of = _plan_quant(args, arch)
+    if not any(quant_of(name) for name in tensor_shapes(arch)):
+        quant_of = None
+    return quant_of, _plan_kv_format(args, arch)
+
+
+def _quant_label(args, quant_of, kv) -> str:
+    text = ""
+    if quant_of is not None:
+        text += f", weights {args.quantize if args.quantize != 'none' else 'as stored'} (quantized)"
+    if kv is not None:
+        text += f", KV cache {kv.mode} (group {kv.group})"
+    return text
+
+
 def _offload_fallback(args, arch, work: Workload, hw) -> int:
     """One GPU and nothing fits: FlexGen's offload policy search (offload/lp.py) on the same machine."""
     from ..offload.lp import search_policy
 
-    policy, pred, _ = search_policy(arch, work.prompt_len, work.gen_len, hw, dtype=work.dtype)
+    policy, pred, _ = search_policy(arch, work.prompt_len, work.gen_len, hw, dtype=work.dtype,
+                                    quant_of=work.quant_of, kv_format=work.kv_format)
     print(f"# nothing fits in {human_bytes(hw.device_memory)}: offloading (FlexGen's policy search, "
           f"docs/offload-planning.md) predicts {pred.throughput:.4g} tokens/s, a block of {policy.block_size} "
           f"sequences in {pred.latency_s:.4g} s; bottleneck {pred.bottleneck}")

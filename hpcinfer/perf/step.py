@@ -19,12 +19,15 @@ t=tokens  m=sequences per micro-batch  c=context  D=hidden  E=experts  k=top-k  
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..model.arch import ModelArch
+from ..model.arch import ModelArch, tensor_shapes
+from ..offload.sizes import kv_token_bytes, tensor_bytes
 from ..parallel.stages import layer_params
+from ..quant.storage import is_quantizable
 from .comm_cost import Links, all_reduce, all_to_all
 from .layout import Layout, stages_of
 
@@ -37,6 +40,10 @@ class Workload:
     prompt_len: int              # P
     gen_len: int                 # G: tokens generated per sequence
     dtype: str = "float16"
+    # tensor name -> (mode, group) for the weights held quantized (quant.storage.quant_of: `--quantize`, or a
+    # quantized checkpoint's own), None when every weight is at the dtype
+    quant_of: object = field(default=None, compare=False)
+    kv_format: object = None     # quant.kv.KVFormat of a quantized KV cache (`--kv-cache`), None: K, V at the dtype
 
     @property
     def itemsize(self) -> int:
@@ -44,6 +51,42 @@ class Workload:
 
     def per_replica(self, dp: int) -> int:
         return math.ceil(self.batch / dp)
+
+    def kv_token_bytes(self, arch, tp: int) -> float:
+        """K and V of one token in one layer on one rank: 2 kv isz / tp, or the KV format's packed rows."""
+        if self.kv_format is None:
+            return 2 * arch.kv_size * self.itemsize / tp
+        return kv_token_bytes(arch, tp, self.kv_format, self.itemsize)
+
+
+def quantized_delta(arch, names: tuple, tp: int, work: Workload) -> float:
+    """Bytes a rank holds of the quantized matrices among `names` less what it would hold of them at the dtype
+    (isz numel / tp): <= 0, and 0 without quantization. What the runtime holds quantized is offload/sizes.py's
+    rule (q, scale and min of each tp shard); norms, biases, routers and expert stacks stay float."""
+    if work.quant_of is None:
+        return 0.0
+    return _quantized_delta(arch, names, tp, work.itemsize, work.quant_of)
+
+
+@functools.lru_cache(maxsize=4096)
+def _quantized_delta(arch, names: tuple, tp: int, isz: int, quant_of) -> float:
+    shapes, delta = tensor_shapes(arch), 0.0
+    for name in names:
+        if is_quantizable(name) and quant_of(name) is not None:
+            delta += tensor_bytes(arch, name, shapes[name], isz, tp, quant_of) - isz * math.prod(shapes[name]) / tp
+    return delta
+
+
+@functools.lru_cache(maxsize=1024)
+def layer_matrices(arch, layer: int) -> tuple:
+    """Names of layer `layer`'s tensors (quantized_delta picks the quantizable ones)."""
+    return tuple(name for name in tensor_shapes(arch) if name.startswith(f"layers.{layer}."))
+
+
+def head_bytes(arch, tp: int, work: Workload) -> float:
+    """Bytes a rank reads of the LM head (its own, or the tied token table)."""
+    name = "embed.tokens" if arch.tied_embeddings else "lm_head.weight"
+    return work.itemsize * arch.vocab_size * arch.hidden_size / tp + quantized_delta(arch, (name,), tp, work)
 
 
 @dataclass(frozen=True)
@@ -75,13 +118,14 @@ def experts_hit(local: float, experts: int, choices: float) -> float:
     return local * (1.0 - (1.0 - 1.0 / experts) ** choices)
 
 
-def layer_time(arch, layer: int, layout: Layout, t: int, m: int, c: float, isz: int, hw,
+def layer_time(arch, layer: int, layout: Layout, t: int, m: int, c: float, work: Workload, hw,
                links: Links) -> tuple[float, float]:
     """(compute s, comm s) of one layer for one micro-batch: t tokens of m sequences attending to c positions."""
-    D, tp, k = arch.hidden_size, layout.tp, arch.moe_top_k
+    D, tp, k, isz = arch.hidden_size, layout.tp, arch.moe_top_k, work.itemsize
     dense = dense_layer_params(arch, layer) / tp
     flops = 2.0 * t * dense + 4.0 * t * c * arch.q_size / tp
-    nbytes = isz * dense + m * c * 2 * arch.kv_size * isz / tp                      # weights + K, V read
+    weights = isz * dense + quantized_delta(arch, layer_matrices(arch, layer), tp, work)
+    nbytes = weights + m * c * work.kv_token_bytes(arch, tp)                        # weights + K, V read
     comm = all_reduce(t * D * isz, tp, links.intra)                                   # attention output
     experts = arch.experts_in(layer)
     if not experts or arch.moe_residual:
@@ -98,7 +142,7 @@ def layer_time(arch, layer: int, layout: Layout, t: int, m: int, c: float, isz: 
     return _roofline(flops, nbytes, hw), comm
 
 
-def stage_time(arch, layout: Layout, layers: range, last: bool, t: int, m: int, c: float, isz: int, hw,
+def stage_time(arch, layout: Layout, layers: range, last: bool, t: int, m: int, c: float, work: Workload, hw,
                links: Links) -> tuple[float, float]:
     """(compute s, comm s) of one pipeline stage for one micro-batch (the LM head on the last stage, for the m
     sequences' last positions)."""
@@ -106,18 +150,19 @@ def stage_time(arch, layout: Layout, layers: range, last: bool, t: int, m: int, 
     kinds = Counter(arch.experts_in(layer) for layer in layers)       # layers of one expert count cost the same
     for experts, count in kinds.items():
         layer = next(i for i in layers if arch.experts_in(i) == experts)
-        a, b = layer_time(arch, layer, layout, t, m, c, isz, hw, links)
+        a, b = layer_time(arch, layer, layout, t, m, c, work, hw, links)
         compute, comm = compute + count * a, comm + count * b
     if last:
         head = arch.vocab_size * arch.hidden_size / layout.tp
-        compute += _roofline(2.0 * m * head, isz * head, hw)
+        compute += _roofline(2.0 * m * head, head_bytes(arch, layout.tp, work), hw)
     return compute, comm
 
 
-def slowest_stage(arch, layout: Layout, t: int, m: int, c: float, isz: int, hw, links: Links) -> tuple:
+def slowest_stage(arch, layout: Layout, t: int, m: int, c: float, work: Workload, hw, links: Links) -> tuple:
     """(compute s, comm s) of the stage with the largest total, plus the send to the next stage."""
+    isz = work.itemsize
     stages = stages_of(arch, layout.pp)
-    times = [stage_time(arch, layout, s.layers, s.is_last, t, m, c, isz, hw, links) for s in stages]
+    times = [stage_time(arch, layout, s.layers, s.is_last, t, m, c, work, hw, links) for s in stages]
     compute, comm = max(times, key=sum)
     if layout.pp > 1:
         comm += links.pick(layout.stage_ranks >= layout.ranks_per_node).send(t * arch.hidden_size * isz)
@@ -126,13 +171,13 @@ def slowest_stage(arch, layout: Layout, t: int, m: int, c: float, isz: int, hw, 
 
 def predict(arch: ModelArch, layout: Layout, work: Workload, hw) -> Prediction:
     """Prompt phase, token step and throughput of `layout` (docs/planner.md)."""
-    links, isz = Links.of(hw), work.itemsize
+    links = Links.of(hw)
     b = work.per_replica(layout.dp)
     pmb, gmb, pp = layout.prompt_micro_batches, layout.gen_micro_batches, layout.pp
     mp, mg = math.ceil(b / pmb), math.ceil(b / gmb)                                    # sequences a micro-batch
-    prompt = sum(slowest_stage(arch, layout, mp * work.prompt_len, mp, work.prompt_len, isz, hw, links))
+    prompt = sum(slowest_stage(arch, layout, mp * work.prompt_len, mp, work.prompt_len, work, hw, links))
     context = work.prompt_len + work.gen_len / 2                                       # the cache's average length
-    g_compute, g_comm = slowest_stage(arch, layout, mg, mg, context, isz, hw, links)
+    g_compute, g_comm = slowest_stage(arch, layout, mg, mg, context, work, hw, links)
     prompt_s = (pmb + pp - 1) * prompt
     token_s = max(gmb, pp) * (g_compute + g_comm)
     total = prompt_s + (work.gen_len - 1) * token_s
