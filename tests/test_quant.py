@@ -86,9 +86,35 @@ def test_tp2_shards_equal_shards_of_the_dequantized_weight(mode):
         assert np.array_equal(dequantize(slice_cols(quantize(w, mode, 64), cols)), full[:, cols])
 
 
+@pytest.mark.parametrize("mode", ["int4", "q4_1"])
+def test_tp3_shards_equal_shards_of_the_dequantized_weight(mode):
+    """tp = 3 (SmolLM2's degree: 9 heads) without the model: 576 input columns, 192 per shard, so int4 g64 puts
+    3 groups and q4_1 (g32) 6 in each row-parallel shard and the shard edges 192 and 384 fall on group edges
+    inside the row; each shard's q, scale and min are the columns' own, and dequantize to the whole weight's."""
+    w = _weights(9, 576, seed=3)
+    whole = quantize(w, mode, 64)
+    full = dequantize(whole)
+    g = whole.group_size
+    for rank in range(3):
+        rows, cols = slice(3 * rank, 3 * rank + 3), slice(192 * rank, 192 * rank + 192)
+        shard = slice_cols(whole, cols)
+        assert shard.scale.shape == (9, 192 // g) and shard.q.shape == (9, 96)
+        own = quantize(w[:, cols], mode, 64)                     # quantizing the shard alone: the same arrays
+        for part in ("q", "scale", "min"):
+            assert np.array_equal(getattr(shard, part), getattr(own, part)), (mode, rank, part)
+        assert np.array_equal(dequantize(shard), full[:, cols])
+        assert np.array_equal(dequantize(slice_rows(whole, rows)), full[rows])
+
+
 def test_shard_that_splits_a_group_is_refused():
     with pytest.raises(QuantError, match=r"group size 64 .* 96:192"):
         slice_cols(quantize(_weights(4, 192), "int4", 64), slice(96, 192))
+    # tp = 3 of 384 input columns: 128 per shard, which g64 divides but g = 96 would not (it divides 384): the
+    # first shard's edge 128 falls inside the second group.
+    with pytest.raises(QuantError, match=r"group size 96 .* 0:128"):
+        slice_cols(quantize(_weights(3, 384), "int4", 96), slice(0, 128))
+    with pytest.raises(QuantError, match=r"group size 96 does not divide the input dimension 128"):
+        quantize(_weights(3, 384)[:, :128], "int4", 96)          # quantized at load: each rank its own shard
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "asym8", "q4_1", "q8_0"])
