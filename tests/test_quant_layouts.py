@@ -1,7 +1,11 @@
-"""SmolLM2 (real weights) quantized gives identical tokens at tp = 1, 2 and 3 for the same quantization mode: int8
+"""SmolLM2 (real weights) quantized gives identical tokens at tp = 1 and 3 for the same quantization mode: int8
 row scales are taken over whole rows, int4 and GGUF groups never straddle a shard (SmolLM2's 576 / 3 = 192 and
 1536 / 3 = 512 hold whole groups of 32 and 64), so each rank's weights are exactly its slice of the one-rank
 model. Each case runs its own `mpiexec -n 3` job from this single-process test (CI's MPI suites run 2 and 4 ranks).
+SmolLM2 has no tp = 2 layout (9 query and 3 KV heads); tp = 1 == tp = 2 is tested on the tiny llama instead:
+int8 / int4 at load and a `convert --quantize` int4 checkpoint (tests/test_quant_cli.py), asym8
+(tests/test_quant_asym8.py), a kept synthetic Q4_1 / Q8_0 GGUF (tests/test_gguf.py) and the int4 KV cache
+(tests/test_kv_quant_cli.py).
 
 Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (`make model`) and, for the modes quantized at load, the float
 models/smollm2.h5 (`make models/smollm2.h5`); skipped without them. Kept short: 2 prompts, 4 new tokens.
