@@ -180,3 +180,20 @@ def test_printed_batch_size_runs_the_planned_batch(capsys, model, gpus, batch):
         assert max(len(s) for s in slices) == -(-batch // dp)
     else:
         assert size == -(-batch // dp) and size * dp >= batch > (size - 1) * dp
+
+
+def test_52b_moe_throughput_per_gpu_from_8_to_64_gpus():
+    """DeepSpeed-MoE 5.5.1 Fig. 10: the 52B MoE (1.3B + MoE-128) at batch 8 a GPU, prompt 128, 100 generated.
+    What the model predicts (docs/planner.md states it): tokens/s a GPU rises from 8 to 16 to 32 GPUs (fewer
+    experts a rank, each read once a token step), and total throughput from 8 to 64 GPUs is super-linear; from 32
+    to 64 a GPU it goes flat, slightly down (more inter-node all-to-all messages at 10 us each), where the
+    paper's measurement keeps rising: the one disagreement, asserted so that a model change must revisit it."""
+    arch, hw = PRESETS["ds-moe-1.3b-128"], HARDWARE["dgx-a100-40gb"]
+    per_gpu = {}
+    for gpus in (8, 16, 32, 64):
+        best = plan(arch, gpus, Workload(8 * gpus, 128, 100, "float16"), hw, "throughput").ranked[0]
+        per_gpu[gpus] = best.throughput / gpus
+    assert per_gpu[8] < per_gpu[16] < per_gpu[32]
+    assert per_gpu[32] / per_gpu[8] > 1.15                              # +21% a GPU
+    assert per_gpu[64] * 64 > 8 * per_gpu[8] * 8                         # super-linear in total, 8 -> 64
+    assert 0.95 < per_gpu[64] / per_gpu[32] < 1.0                        # flat from 32 to 64 (-1%): the paper rises
