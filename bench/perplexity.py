@@ -26,6 +26,14 @@ Modes:
   int4-g32         the same, group_size=32 (the groups of the Q4_1 weights it re-quantizes)
   asym8-g64        the same file, load_model(..., quantize="asym8", group_size=64)  (group-wise asymmetric 8-bit)
   q4_1-kept        models/SmolLM2-135M-Instruct.Q4_1.gguf converted with `convert --keep-quantized` into a temp file
+  W-layers         weight mode W (int8, int4-g64, int4-g32, asym8-g64) on the decoder layers' matrices only: the
+                   tied embedding / LM head stays float32 (where W's loss comes from, attributed by a run)
+  W-embed          W on the tied embedding / LM head only: the layers' matrices stay float32
+  W-search         W (int4 or asym8) with each group's (scale, min) chosen by a clipping + least-squares search
+                   (`search_quantize`, this script only) instead of min-max: lower weight MSE, recorded as
+                   `weight_mse_ratio_to_minmax`; kept here to record whether it helps perplexity
+                   (-layers / -embed / -search quantize the float32 model after loading, layer by layer, with
+                   quant.formats.quantize or search_quantize: at tp = 1 the same arrays as load_model(quantize=...))
   float32-decode   float32 weights and cache, token by token
   kv-int4          float32 weights, int4 KV cache (groups of 64 = head_dim), token by token
   kv-int8          float32 weights, int8 KV cache, token by token
@@ -36,6 +44,7 @@ Modes:
                    positions (0.1 is FlexGen's setting; 0.25 and 0.5 show how the loss falls with F)
 
     python -m bench.perplexity [--windows 8] [--window 256] [--modes a,b,...] [--tag b] [--out bench/results]
+                               [--note "..."]
 
 Writes bench/results/perplexity-<YYYY-MM-DD><tag>.json and .md and prints the table.
 """
@@ -164,9 +173,22 @@ ATTENTION = {"": ("float32", None, 0.0, 64), "decode": ("float32", None, 0.0, 64
 ATTENTION.update({f"topk-{f}": (f"float32, top-k {f}", None, f, 64) for f in (0.1, 0.25, 0.5)})
 
 
+PARTS = {"layers": "the layers only (embedding / LM head float32)",
+         "embed": "the embedding / LM head only (layers float32)",
+         "search": "clipping + least-squares search per group"}
+
+
+def split_weights(name: str) -> tuple[str, str]:
+    """'int4-g64-layers' -> ('int4-g64', 'layers'); a plain weight mode -> (name, '')."""
+    base, _, part = name.rpartition("-")
+    if part in PARTS and WEIGHTS.get(base, (None, None))[1]:
+        return base, part
+    return name, ""
+
+
 def load_mode(mode: str, tmp: str):
-    """mode -> (model, weights description, KV description, token-by-token?). A mode is a weight mode, an
-    attention mode on float32 weights, or `weights+attention`."""
+    """mode -> (model, weights description, KV description, token-by-token?, extra result fields). A mode is a
+    weight mode, an attention mode on float32 weights, or `weights+attention`."""
     from hpcinfer.api import load_model
     from hpcinfer.quant.kv import kv_format
 
@@ -174,13 +196,108 @@ def load_mode(mode: str, tmp: str):
     weights, _, attention = names.get(mode, mode).partition("+")
     if weights in ATTENTION and weights not in WEIGHTS:
         weights, attention = "float32", weights
-    if weights not in WEIGHTS or attention not in ATTENTION:
+    base, part = split_weights(weights)
+    if base not in WEIGHTS or attention not in ATTENTION:
         raise SystemExit(f"bench.perplexity: unknown mode {mode!r}")
-    label, kwargs = WEIGHTS[weights]
-    model = load_model(str(convert_keep_quantized(tmp))) if kwargs is None else load_model(str(H5), **kwargs)
+    label, kwargs = WEIGHTS[base]
+    extra = {}
+    if kwargs is None:
+        model = load_model(str(convert_keep_quantized(tmp)))
+    elif part:
+        model = load_model(str(H5))
+        extra = quantize_after_load(model, kwargs["quantize"], kwargs.get("group_size", 64), part)
+        label = f"{label.replace(', quantized at load', '')}, {PARTS[part]}, after load"
+    else:
+        model = load_model(str(H5), **kwargs)
     kv_label, kv_mode, topk, group = ATTENTION[attention]
     model.set_attention(kv_format(kv_mode or "none", group, model.arch.head_dim), topk)
-    return model, label, kv_label, attention != ""
+    return model, label, kv_label, attention != "", extra
+
+
+def quantize_after_load(model, mode: str, group: int, part: str) -> dict:
+    """Quantize the float32 model's sharded matrices in place: part 'layers' = every block's attention and MLP
+    matrices, 'embed' = the tied embedding / LM head table, 'search' = both, with search_quantize. Each layer then
+    holds only the QuantizedTensor, as after load_model(quantize=...). Counts the matrices whose dequantized
+    values equal the float32 ones exactly (a Q4_1 block re-quantized on its own grid)."""
+    from hpcinfer.quant.formats import dequantize, quantize
+
+    targets, exact = [], 0
+    if part in ("layers", "search"):
+        for block in model.blocks:
+            targets += [block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down]
+    if part in ("embed", "search"):
+        targets.append(model.embed)
+        if model.lm_head is not model.embed:
+            targets.append(model.lm_head)
+    if part == "search" and mode not in ("int4", "asym8"):
+        raise SystemExit(f"bench.perplexity: the search quantizes asymmetric group-wise modes, not {mode!r}")
+    sse = {"minmax": 0.0, "search": 0.0}
+    for layer in targets:
+        attr, qattr = ("table", "qtable") if hasattr(layer, "qtable") else ("w", "qw")
+        w = np.asarray(getattr(layer, attr), dtype=np.float32)                  # [out, in] at tp = 1
+        if part == "search":
+            qt, err_minmax, err_search = search_quantize(w, mode, group)
+            sse["minmax"] += err_minmax
+            sse["search"] += err_search
+        else:
+            qt = quantize(w, mode, group)
+            exact += bool(np.array_equal(dequantize(qt), w))
+        setattr(layer, qattr, model.ops.prepare_quantized(qt))
+        setattr(layer, attr, None)
+    if part != "search":            # layers hold fused parts (q/k/v, gate/up): 4 per block, the table 1
+        return {"matrices_round_trip_exact": exact, "matrices_quantized": len(targets)}
+    return {"weight_mse_ratio_to_minmax": sse["search"] / sse["minmax"]}
+
+
+SHRINK = (0.0, 0.03, 0.06, 0.1, 0.15)   # fractions of a group's range clipped off at each end
+
+
+def search_quantize(w: np.ndarray, mode: str, group: int, chunk_rows: int = 2048):
+    """Like quant.formats.quantize (same format, same q grid 0..top), but each group's (scale, min) is the best of
+    len(SHRINK)^2 clipped ranges [lo + a (hi - lo), hi - b (hi - lo)], each followed by a least-squares refit of
+    (scale, min) to the q it rounds to (the minimum of sum (scale q + min - x)^2 over the group). Best = smallest
+    squared error. -> (QuantizedTensor, sum of squared errors of min-max, of the search)."""
+    from hpcinfer.quant.formats import QuantizedTensor, dequantize, pack4, quantize, spec
+
+    bits, _ = spec(mode)
+    top = float((1 << bits) - 1)
+    rows, cols = w.shape
+    G = cols // group
+    q_all = np.empty((rows, cols), np.uint8)
+    scale_all = np.empty((rows, G), np.float32)
+    min_all = np.empty((rows, G), np.float32)
+    err_minmax = err_search = 0.0
+    for r0 in range(0, rows, chunk_rows):
+        x = w[r0:r0 + chunk_rows].reshape(-1, G, group).astype(np.float64)     # [R, G, g]
+        lo, hi = x.min(axis=-1), x.max(axis=-1)                                 # [R, G]
+        span = hi - lo
+        best_err = np.full(lo.shape, np.inf)
+        best = (np.zeros(x.shape, np.uint8), np.zeros(lo.shape), lo.copy())     # q, scale, min
+        for a in SHRINK:
+            for b in SHRINK:
+                low, high = lo + a * span, hi - b * span
+                s = (high - low) / top
+                safe = np.where(s > 0, s, 1.0)
+                q = np.clip(np.rint((x - low[..., None]) / safe[..., None]), 0, top)
+                qm, xm = q.mean(axis=-1), x.mean(axis=-1)                       # least squares: x ~ s q + m
+                var = ((q - qm[..., None]) ** 2).sum(axis=-1)
+                cov = ((q - qm[..., None]) * (x - xm[..., None])).sum(axis=-1)
+                fit = (var > 0) & (cov > 0)
+                s = np.where(fit, cov / np.where(var > 0, var, 1.0), s).astype(np.float32).astype(np.float64)
+                m = np.where(fit, xm - s * qm, low).astype(np.float32).astype(np.float64)
+                err = ((s[..., None] * q + m[..., None] - x) ** 2).sum(axis=-1)
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best = (np.where(better[..., None], q, best[0]).astype(np.uint8), np.where(better, s, best[1]),
+                        np.where(better, m, best[2]))
+        n = x.shape[0]
+        q_all[r0:r0 + n] = best[0].reshape(n, cols)
+        scale_all[r0:r0 + n], min_all[r0:r0 + n] = best[1], best[2]
+        ref = w[r0:r0 + n]
+        err_minmax += float(((dequantize(quantize(ref, mode, group)) - ref).astype(np.float64) ** 2).sum())
+    qt = QuantizedTensor(mode, pack4(q_all) if bits == 4 else q_all, scale_all, min_all, group)
+    err_search = float(((dequantize(qt) - w).astype(np.float64) ** 2).sum())
+    return qt, err_minmax, err_search
 
 
 def convert_keep_quantized(tmpdir: str) -> Path:
@@ -204,6 +321,8 @@ def markdown(result: dict) -> str:
              "| mode | weights | KV cache / attention | evaluation | perplexity | ratio to float32 | "
              "ratio to float32-decode | target | top-1 acc | time (s) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    if result.get("note"):
+        lines[2:2] = [result["note"], ""]
     for m in result["modes"]:
         target = f"<= {1 + TARGETS[m['mode']]:.2f}" if m["mode"] in TARGETS else "-"
         ok = "" if m["mode"] not in TARGETS else (" (met)" if m["within_target"] else " (**missed**)")
@@ -211,6 +330,17 @@ def markdown(result: dict) -> str:
         lines.append(f"| {m['mode']} | {m['weights']} | {m.get('kv_cache', 'float32')} | "
                      f"{m.get('evaluation', 'prefill')} | {m['perplexity']:.4f} | {m['ratio_to_float32']:.4f} | "
                      f"{dec} | {target}{ok} | {m['top1_accuracy']:.3f} | {m['seconds']:.1f} |")
+    searched = [m for m in result["modes"] if "weight_mse_ratio_to_minmax" in m]
+    if searched:
+        lines += [""] + [f"{m['mode']}: weight squared error {m['weight_mse_ratio_to_minmax']:.3f}x min-max's "
+                         f"(the same matrices quantized by quant.formats.quantize)." for m in searched]
+    counted = [m for m in result["modes"] if "matrices_quantized" in m]
+    if counted:
+        lines += [""] + [f"{m['mode']}: {m['matrices_round_trip_exact']} of {m['matrices_quantized']} quantized "
+                         f"matrices (fused q/k/v and gate/up count as one) dequantize to exactly the float32 values."
+                         for m in counted]
+    lines += ["", "Load average (1 min) after each mode: " +
+              ", ".join(f"{m['mode']} {m['load_average']:.1f}" for m in result["modes"] if "load_average" in m)]
     lines += ["", "float32 is `models/smollm2.h5`, itself the dequantized Q4_1 GGUF (the only SmolLM2 weights that "
               "ship), so Q4_1 kept computes with the same weight values and should match float32 up to float "
               "rounding in the matmul order; int8 and int4 re-quantize those already-4-bit weights.",
@@ -227,6 +357,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--modes", default=DEFAULT_MODES)
     ap.add_argument("--tag", default="", help="suffix of the result files' names (e.g. b)")
+    ap.add_argument("--note", default="", help="a line on how the run was made (e.g. the machine was shared)")
     args = ap.parse_args(argv)
 
     windows = make_windows(H5, args.windows, args.window)
@@ -235,10 +366,11 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
-            model, weights, kv, decode = load_mode(mode, tmp)
+            model, weights, kv, decode, extra = load_mode(mode, tmp)
             r = measure(model, windows, decode)
             del model
-            r.update(mode=mode, weights=weights, kv_cache=kv, evaluation="token by token" if decode else "prefill")
+            r.update(mode=mode, weights=weights, kv_cache=kv, evaluation="token by token" if decode else "prefill",
+                     load_average=os.getloadavg()[0], **extra)
             log(f"{mode}: perplexity {r['perplexity']:.4f} ({r['seconds']:.1f} s)")
             results.append(r)
             md = write_results(results, args, complete=len(results) == len(modes))
@@ -258,7 +390,7 @@ def write_results(results: list, args, complete: bool) -> str:
             r["within_target"] = bool(r["ratio_to_float32"] <= 1 + TARGETS[r["mode"]])
     date = _dt.date.today().isoformat()
     result = {"date": date, "checkpoint": str(H5.relative_to(REPO)), "gguf": str(GGUF.relative_to(REPO)),
-              "complete": complete, "modes_asked": args.modes,
+              "complete": complete, "modes_asked": args.modes, "note": args.note,
               "settings": {"windows": args.windows, "window": args.window, "topic_keys": list(TOPIC_KEYS),
                            "python": sys.version.split()[0], "threads": os.cpu_count(),
                            "targets_relative_increase": TARGETS},
