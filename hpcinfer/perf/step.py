@@ -4,6 +4,7 @@ Per layer and micro-batch on one rank (m sequences of a replica, T new tokens ea
   compute   = max(FLOPs / device_flops, bytes / device_bandwidth)        roofline: the slower of the two, no sum
       FLOPs = 2 t (dense params / tp) + 4 t c q / tp  [+ experts]        t = m T tokens, q = H hd
       bytes = isz (dense params / tp) + m c kv_bytes / tp  [+ experts]   weights read once per micro-batch
+              (quantized matrices and a quantized KV cache at their packed bytes: Workload.quant_of, kv_format)
       experts (MoE layer): N = token-choices reaching the stage's experts = dp t k (PCC) or dp tp t k (flat and
       hierarchical send every tp rank's replicated tokens); a rank computes N / ep of them on its 1 / expert_tp
       slice and reads the weights of the experts that get at least one token: (E / ep)(1 - (1 - 1 / E)^N).
