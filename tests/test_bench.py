@@ -273,8 +273,8 @@ def test_report_from_the_stored_results(tmp_path):
                 assert f"| {cell['layout']['name']} | {cell['layout']['ranks']} = " in text
         for b in suite["baselines"]:
             if b["status"] == "ok":
-                assert f"| {b['name']} | {b['layout']} | {b['batch']} | {b['ratios']['prompt_latency_ms']:.2f}× |" \
-                    in text
+                name = f"{b['name']} on {b['device']}" if b["kind"] == "transformers" else b["name"]
+                assert f"| {name} | {b['layout']} | {b['batch']} | {b['ratios']['prompt_latency_ms']:.2f}× |" in text
     assert [Path(p).name for p in plots] == [f"{FIXTURE.stem}-{name}.png" for name in PLOTS]
     assert all(Path(p).stat().st_size > 1000 and f"]({Path(p).name})" in text for p in plots)
 
@@ -288,7 +288,8 @@ def test_report_shows_the_one_hot_dispatch_ratio():
     suite = next(s for s in result["suites"] if s["model"]["moe"])
     ours = next(c for c in suite["cells"] if c["status"] == "ok" and c["variant"] == "hpcinfer")
     slow = copy.deepcopy(ours) | {"variant": "one-hot MoE dispatch"}
-    slow["figures"] = fig.medians([fig.from_metrics(metrics(prefill_s=1.5, median_ms=50.0, tps=40.0), 1, None)])
+    slow["figures"] = fig.medians([fig.from_metrics(metrics(prefill_s=1.5, median_ms=50.0, tps=40.0), 1, None,
+                                                  backend="numpy")])
     suite["cells"].append(slow)
     ratios = fig.ratios(slow["figures"], ours["figures"])
     suite["baselines"].append({"name": "one-hot MoE dispatch", "kind": "naive", "layout": ours["layout"]["name"],

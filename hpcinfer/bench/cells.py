@@ -27,11 +27,13 @@ class Cell:
     suite: Suite
     layout: Layout
     batch: int
-    variant: str                 # "hpcinfer" or a naive baseline: "one-hot MoE dispatch", "flat all-to-all",
-                                 # "row-by-row offload"
+    variant: str                 # "hpcinfer", a naive baseline ("one-hot MoE dispatch", "flat all-to-all",
+                                 # "row-by-row offload"), or "CUDA graphs" (the tuned path whose baseline is
+                                 # the hpcinfer cell: graphs are off by default)
     extra: dict                  # {section: {key: value}} on top of the suite's config (the variant's switch)
     moe: bool = False            # an MoE model: data-parallel replicas split every batch (they step together)
     skip: str = ""               # why the cell does not run ("" = it runs)
+    backend: str = "numpy"       # [runtime] backend written into the job's config (resolved: numpy or cupy)
 
     @property
     def key(self) -> str:
@@ -62,7 +64,7 @@ def job_sections(cell: Cell, prompts: Path, workdir: Path, tag: str, threads: in
                  {"preset": model.preset},
         "parallel": {k: getattr(lay, k) for k in ("tp", "pp", "ep", "expert_tp", "ranks_per_node")},
         "schedule": {k: getattr(lay, k) for k in ("prompt_micro_batches", "gen_micro_batches")},
-        "runtime": {"threads": threads},
+        "runtime": {"threads": threads, "backend": cell.backend},
         "generate": {"prompts": str(prompts), "output": str(workdir / f"{tag}.jsonl"),
                      "max_new_tokens": suite.new_tokens, "batch_size": per_replica, "temperature": 0.0,
                      "ignore_eos": True, "metrics": str(workdir / f"{tag}.metrics.json")},

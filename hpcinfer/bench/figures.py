@@ -14,33 +14,76 @@ TIMED = ("prompt_latency_ms", "per_token_ms_median", "per_token_ms_p90", "tokens
          "bandwidth_GBps_per_rank", "bandwidth_utilization", "bubble_fraction", "generate_s", "load_s")
 
 
-def from_metrics(m: dict, ranks_on_node: int, machine_GBps: float | None, device_total: int | None = None) -> dict:
-    """One hpcinfer job's figures. bandwidth_utilization = the weight bytes all ranks of a node stream per decode
-    step / the machine's measured read bandwidth (decode reads every weight once per step). device_total: an
-    offloaded job's bytes on the device per rank (offload_device_bytes), kept as device_total_bytes_per_rank: its
-    device_weights figure is only the streamed weights' peak."""
+def run_backend(m: dict) -> str | None:
+    """The backend a job ran on: the metrics' own `backend` (the resolved Ops), else the config it echoes when
+    that names one (the bench writes `[runtime] backend` explicitly into every cell's config); None if neither."""
+    if m.get("backend") in ("numpy", "cupy"):
+        return m["backend"]
+    echoed = ((m.get("config") or {}).get("runtime") or {}).get("backend")
+    return echoed if echoed in ("numpy", "cupy") else None
+
+
+def from_metrics(m: dict, ranks_on_node: int, machine_GBps: float | None, device_total: int | None = None,
+                 backend: str | None = None) -> dict:
+    """One hpcinfer job's figures (schema hpcinfer-bench/2). bandwidth_utilization = the weight bytes all ranks
+    of a node stream per decode step / the machine's measured read bandwidth (decode reads every weight once per
+    step). device_total: an offloaded job's bytes on the device per rank (offload_device_bytes), kept as
+    device_total_bytes_per_rank: its device_weights figure is only the streamed weights' peak. backend: the one
+    the cell asked for, used only when the metrics do not say. A figure that does not apply is None with its
+    reason in `null_reasons` (never a silent 0)."""
     bw = m["decode_weight_bandwidth_GBps_per_rank"]
     offload, kv, mem = m.get("offload", {}), m.get("kv_cache", {}), m.get("memory", {})
     device_weights = offload.get("weights_peak_device_bytes_per_rank") or mem.get("weight_bytes_per_rank")
-    return {
+    backend = run_backend(m) or backend
+    reasons = {}
+    if backend == "cupy":
+        util = None
+        reasons["bandwidth_utilization"] = ("the cells ran on the GPU and machine.memory_read is the host's "
+                                            "read bandwidth: no device bandwidth to compare with")
+    elif machine_GBps:
+        util = bw * ranks_on_node / machine_GBps
+    else:
+        util = None
+        reasons["bandwidth_utilization"] = "the machine's read bandwidth was not measured"
+    pp = m["mesh"]["pp"]
+    bubble = m["pipeline"]["bubble_fraction"] if pp > 1 else None
+    if bubble is None:
+        reasons["bubble_fraction"] = "pp = 1: no pipeline stages to wait for"
+    memory = {"device_weights_bytes_per_rank": device_weights,
+              "device_kv_peak_bytes_per_rank": kv.get("peak_device_bytes_per_rank"),
+              "host_peak_rss_bytes_per_rank": mem.get("host_peak_rss_bytes_per_rank"),
+              "weights_from_host_bytes": offload.get("weights_bytes_from_host"),
+              "weights_from_disk_bytes": offload.get("weights_bytes_from_disk"),
+              "device_total_bytes_per_rank": device_total}
+    for tier, value in memory.items():
+        if value is None:
+            reasons[f"memory.{tier}"] = MEMORY_NULL.get(tier, "the job's metrics do not report it")
+    out = {
         "prompt_latency_ms": m["prefill_s"] * 1e3,
         "per_token_ms_median": m["decode_step_ms"]["median"],
         "per_token_ms_p90": m["decode_step_ms"]["p90"],
         "tokens_per_s": m["tokens_per_s"],
         "tflops_per_rank": m["flop_rate_GFLOPs_per_rank"] / 1e3,
         "bandwidth_GBps_per_rank": bw,
-        "bandwidth_utilization": bw * ranks_on_node / machine_GBps if machine_GBps else None,
-        "bubble_fraction": m["pipeline"]["bubble_fraction"],
+        "bandwidth_utilization": util,
+        "bubble_fraction": bubble,
         "generate_s": m["generate_s"],
         "load_s": m["load_s"],
-        "memory": {"device_weights_bytes_per_rank": device_weights,
-                   "device_kv_peak_bytes_per_rank": kv.get("peak_device_bytes_per_rank"),
-                   "host_peak_rss_bytes_per_rank": mem.get("host_peak_rss_bytes_per_rank"),
-                   "weights_from_host_bytes": offload.get("weights_bytes_from_host"),
-                   "weights_from_disk_bytes": offload.get("weights_bytes_from_disk"),
-                   "device_total_bytes_per_rank": device_total},
+        "memory": memory,
         "mesh": m["mesh"],
+        "backend": backend,
     }
+    if reasons:
+        out["null_reasons"] = reasons
+    return out
+
+
+# Why a memory tier is null when the job did not report it (the usual, expected cases).
+MEMORY_NULL = {
+    "device_total_bytes_per_rank": "no [offload]: the device holds the resident weights and the KV cache, counted "
+                                   "above",
+    "host_peak_rss_bytes_per_rank": "the job's metrics do not report the ranks' peak resident set",
+}
 
 
 def offload_device_bytes(config_path: str, prompt_lengths: list) -> int | None:
@@ -79,15 +122,22 @@ def from_steps(prefill_s: float, steps: list, batch: int, new_tokens: int) -> di
 
 
 def medians(runs: list[dict]) -> dict:
-    """Median over rounds of every timed figure present; memory and mesh from the last round."""
+    """Median over rounds of every timed figure present; a figure null in every round stays null (with its
+    reason); memory, mesh, backend and the null reasons from the last round."""
     out = {}
     for key in TIMED:
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             out[key] = median(values)
-    for key in ("memory", "mesh"):
+        elif key in runs[-1]:
+            out[key] = None
+    for key in ("memory", "mesh", "backend"):
         if key in runs[-1]:
             out[key] = runs[-1][key]
+    reasons = {k: v for k, v in (runs[-1].get("null_reasons") or {}).items()
+               if k.startswith("memory.") or out.get(k) is None}
+    if reasons:
+        out["null_reasons"] = reasons
     return out
 
 

@@ -14,6 +14,8 @@ from .suites import BenchConfig, Layout, Suite
 DEFAULT_ALL_TO_ALL = "pcc+hierarchical"      # docs/config.md [moe] all_to_all
 ROW_OFFLOAD = {"schedule": "row", "cache_gpu": 100.0, "cache_cpu": 0.0, "cpu_attention": False}
 ONE_HOT = {"moe": {"dispatch": "one-hot"}}   # GShard / DeepSpeed one-hot einsum gating (backend/moe_onehot.py)
+CUDA_GRAPHS = "CUDA graphs"                  # the variant with [runtime] cuda_graphs = true (off by default)
+NO_GRAPHS_CPU = "GPU backend only: the NumPy backend has no fused kernels and no CUDA graphs"
 
 
 def model_arch(suite: Suite):
@@ -66,7 +68,28 @@ def naive_variants(suite: Suite, lay: Layout, moe: bool) -> dict:
     return out
 
 
-def plan_cells(cfg: BenchConfig, suite: Suite, arch) -> list[Cell]:
+def graphs_skip(suite: Suite, moe: bool, backend: str) -> str:
+    """Why the CUDA graphs variant does not apply to a suite ("" = it is planned beside every hpcinfer cell).
+    The set-up checks it mirrors: config._check_cuda_graphs and generate/graphs.check_model."""
+    if backend != "cupy":
+        return NO_GRAPHS_CPU
+    if suite.offload:
+        return "cannot capture layers whose weights or KV are streamed ([offload])"
+    if moe:
+        return "cannot capture MoE layers: their per-expert row counts go to the host every step"
+    return ""
+
+
+def tuned_variants(suite: Suite, moe: bool, backend: str) -> dict:
+    """{variant name: config sections} of the tuned paths hpcinfer runs off by default; each is compared with the
+    layout's hpcinfer cell as its baseline (CUDA graphs on against the default, off)."""
+    if graphs_skip(suite, moe, backend):
+        return {}
+    return {CUDA_GRAPHS: {"runtime": {"cuda_graphs": True}}}
+
+
+def plan_cells(cfg: BenchConfig, suite: Suite, arch, backend: str = "numpy") -> list[Cell]:
+    """Every (layout, batch) as hpcinfer, then its naive and tuned variants, on `backend` (resolved)."""
     moe = is_moe(arch)
     chosen = [lay for lay in cfg.layouts if not suite.layouts or lay.name in suite.layouts]
     cells = []
@@ -74,10 +97,11 @@ def plan_cells(cfg: BenchConfig, suite: Suite, arch) -> list[Cell]:
         why = layout_skip(suite, lay, moe)
         for batch in suite.batches:
             skip = why or batch_skip(lay, batch, moe)
-            cells.append(Cell(suite, lay, batch, "hpcinfer", {}, moe, skip))
+            cells.append(Cell(suite, lay, batch, "hpcinfer", {}, moe, skip, backend))
             if not skip:
-                cells += [Cell(suite, lay, batch, name, extra, moe)
-                          for name, extra in naive_variants(suite, lay, moe).items()]
+                variants = naive_variants(suite, lay, moe) | tuned_variants(suite, moe, backend)
+                cells += [Cell(suite, lay, batch, name, extra, moe, backend=backend)
+                          for name, extra in variants.items()]
     return cells
 
 

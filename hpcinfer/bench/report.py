@@ -11,39 +11,72 @@ from .schema import validate
 PLOTS = ("latency", "throughput", "bandwidth", "scaling")
 
 
+NA = "n/a"              # a figure that is null (its reason is listed under the table) or absent (older schema)
+
+
 def _mb(n) -> str:
-    return "–" if n is None else f"{n / 1e6:.0f}"
+    return NA if n is None else f"{n / 1e6:.0f}"
 
 
 def _f(v, fmt: str = ".1f") -> str:
-    return "–" if v is None else format(v, fmt)
+    return NA if v is None else format(v, fmt)
+
+
+def _pct(v) -> str:
+    return NA if v is None else f"{100 * v:.0f}%"
+
+
+def backends_line(result: dict) -> str:
+    """Where hpcinfer's cells and the transformers baseline ran (schema 2 records both; schema 1 neither)."""
+    cells = sorted({c["figures"].get("backend") or NA for s in result["suites"] for c in s["cells"]
+                    if c["status"] == "ok"})
+    ours = result.get("backend") or "not recorded (results of schema hpcinfer-bench/1)"
+    if cells and cells != [ours]:
+        ours += f" (cells: {', '.join(cells)})"
+    hf = sorted({b.get("device") or "not recorded" for s in result["suites"] for b in s["baselines"]
+                 if b["kind"] == "transformers" and b["status"] == "ok"})
+    line = f"hpcinfer backend: {ours}"
+    if hf:
+        line += f"; transformers baseline device: {', '.join(hf)}"
+    return line + "."
 
 
 def machine_line(result: dict) -> str:
     m, sw = result["machine"], result["software"]
     gpus = "; ".join(f"{g['name']} (driver {g['driver']})" for g in m["gpus"]) or "no GPU"
     return (f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable CPU(s), {gpus}; memory read "
-            f"{m['memory_read']['GBps']:.1f} GB/s. hpcinfer {sw['hpcinfer']}, commit {sw['git_commit']}. Config "
-            f"`{result['config']['path']}`, {result['config']['repeats']} round(s), cells alternated; medians over "
-            f"rounds. Whole run {result.get('elapsed_s', 0):.0f} s.")
+            f"{m['memory_read']['GBps']:.1f} GB/s. {backends_line(result)} hpcinfer {sw['hpcinfer']}, commit "
+            f"{sw['git_commit']}. Config `{result['config']['path']}`, {result['config']['repeats']} round(s), "
+            f"cells alternated; medians over rounds. Whole run {result.get('elapsed_s', 0):.0f} s.")
 
 
-CELL_HEADER = ("| layout | ranks pp×dp×tp | batch | variant | prompt (ms) | token median / p90 (ms) | tokens/s | "
-               "TFLOP/s per rank | GB/s per rank (of machine) | bubble | device weights / KV (MB per rank) | "
-               "host peak (MB per rank) |")
+CELL_HEADER = ("| layout | ranks pp×dp×tp | batch | variant | backend | prompt (ms) | token median / p90 (ms) | "
+               "tokens/s | TFLOP/s per rank | GB/s per rank (of machine) | bubble | device weights / KV (MB per "
+               "rank) | host peak (MB per rank) |")
+CELL_ALIGN = "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 
 
 def cell_row(c: dict) -> str:
     f, lay = c["figures"], c["layout"]
     mem = f.get("memory", {})
-    util = f.get("bandwidth_utilization")
     return (f"| {lay['name']} | {lay['ranks']} = {lay['pp']}×{lay['dp']}×{lay['tp']} | {c['batch']} | {c['variant']} "
+            f"| {f.get('backend') or NA} "
             f"| {f['prompt_latency_ms']:.1f} | {f['per_token_ms_median']:.1f} / {f['per_token_ms_p90']:.1f} | "
             f"{f['tokens_per_s']:.1f} | {_f(f.get('tflops_per_rank'), '.3f')} | "
-            f"{_f(f.get('bandwidth_GBps_per_rank'))} ({'–' if util is None else f'{100 * util:.0f}%'}) | "
-            f"{100 * f.get('bubble_fraction', 0):.0f}% | {_mb(mem.get('device_weights_bytes_per_rank'))} / "
+            f"{_f(f.get('bandwidth_GBps_per_rank'))} ({_pct(f.get('bandwidth_utilization'))}) | "
+            f"{_pct(f.get('bubble_fraction'))} | {_mb(mem.get('device_weights_bytes_per_rank'))} / "
             f"{_mb(mem.get('device_kv_peak_bytes_per_rank'))}{_device_total(mem)} | "
             f"{_mb(mem.get('host_peak_rss_bytes_per_rank'))} |")
+
+
+def null_lines(cells: list) -> list[str]:
+    """Why the table says n/a: each (figure, reason) of the cells' null_reasons once, with the cells' count."""
+    seen = {}
+    for c in cells:
+        for key, why in (c["figures"].get("null_reasons") or {}).items():
+            if key != "memory.device_total_bytes_per_rank":            # shown only where there is one
+                seen[key, why] = seen.get((key, why), 0) + 1
+    return [f"- n/a `{key}` ({n} cell{'s' if n > 1 else ''}): {why}" for (key, why), n in seen.items()]
 
 
 def _device_total(mem: dict) -> str:
@@ -62,14 +95,24 @@ def baseline_lines(suite: dict) -> list[str]:
                   "|---|---|---:|---:|---:|---:|---:|"]
         for b in ok:
             r, ch = b["ratios"], b.get("checks") or {}
-            lines.append(f"| {b['name']} | {b['layout']} | {b['batch']} | {_f(r.get('prompt_latency_ms'), '.2f')}× | "
+            lines.append(f"| {_baseline_name(b)} | {b['layout']} | {b['batch']} | "
+                         f"{_f(r.get('prompt_latency_ms'), '.2f')}× | "
                          f"{_f(r.get('per_token_ms_median'), '.2f')}× | {_f(r.get('tokens_per_s'), '.2f')}× | "
                          f"{ch.get('min', '–')}/{ch.get('length', '–')} |")
         lines.append("")
+    for note in sorted({b["device_note"] for b in ok if b.get("device_note")}):
+        lines.append(f"- **transformers device:** {note}")
     for b in suite["baselines"]:
         if b["status"] != "ok":
             lines.append(f"- {b['name']}: not applicable: {b['reason']}")
     return lines
+
+
+def _baseline_name(b: dict) -> str:
+    """The transformers baseline with its device ("transformers on cpu"); older results did not record it."""
+    if b["kind"] != "transformers":
+        return b["name"]
+    return f"{b['name']} on {b.get('device') or 'cpu (not recorded: hf_baseline ran on the CPU only then)'}"
 
 
 def suite_lines(suite: dict) -> list[str]:
@@ -83,8 +126,10 @@ def suite_lines(suite: dict) -> list[str]:
         return lines + [f"Not run: {suite['skipped']}.", ""]
     ok = [c for c in suite["cells"] if c["status"] == "ok"]
     if ok:
-        lines += [CELL_HEADER, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [CELL_HEADER, CELL_ALIGN]
         lines += [cell_row(c) for c in ok] + [""]
+        nulls = null_lines(ok)
+        lines += nulls + ([""] if nulls else [])
     others = [c for c in suite["cells"] if c["status"] != "ok"]
     for c in others:
         lines.append(f"- {c['layout']['name']}, batch {c['batch']}, {c['variant']}: {c['status']}: {c['reason']}")
@@ -110,8 +155,9 @@ def markdown(result: dict, plots: list[str]) -> str:
               "bubble = time a pipeline stage waited / generation time; memory: device weights and KV peak per "
               "rank (under offload the device weights are the streamed weights' peak, and the device total is "
               "what the offload budget check counts: resident and streamed weights, embedding tables, KV cache), "
-              "host peak resident set per rank. Only ratios within one run count: never compare absolute "
-              "times across result files."]
+              "host peak resident set per rank; backend = the Ops the cell's job ran on (numpy or cupy). n/a = the "
+              "figure does not apply to the cell (the reason is listed under its table) or the results file "
+              "predates it. Only ratios within one run count: never compare absolute times across result files."]
     if result["warnings"]:
         lines += [""] + [f"**Warning:** {w}" for w in result["warnings"]]
     return "\n".join(lines) + "\n"
@@ -149,18 +195,38 @@ def _vs_batch(ax, suite: dict, key: str, ylabel: str, scale: float = 1.0) -> Non
     ax.legend(fontsize=7)
 
 
-def _scaling(ax, suite: dict) -> None:
-    """tokens/s per layout (ordered by ranks) at the suite's largest batch that ran on every rank count."""
+def scaling_batch(suite: dict) -> tuple[int | None, str]:
+    """The batch the scaling plot compares rank counts at: the largest batch that ran (hpcinfer variant) on every
+    rank count of the suite, so that each rank count has a bar. When no batch ran on all of them (e.g. 1 rank ran
+    only batch 1, 2 ranks only batch 2), the largest batch that ran at all, with a note saying which rank counts
+    it leaves out. (None, "") when no hpcinfer cell ran."""
     ok = [c for c in suite["cells"] if c["status"] == "ok" and c["variant"] == "hpcinfer"]
     if not ok:
-        return
+        return None, ""
+    by_ranks = {}
+    for c in ok:
+        by_ranks.setdefault(c["layout"]["ranks"], set()).add(c["batch"])
+    common = set.intersection(*by_ranks.values())
+    if common:
+        return max(common), ""
     batch = max(c["batch"] for c in ok)
+    missing = sorted(r for r, batches in by_ranks.items() if batch not in batches)
+    return batch, f"no batch ran on every rank count; {', '.join(map(str, missing))} rank(s) missing"
+
+
+def _scaling(ax, suite: dict) -> None:
+    """tokens/s per layout (ordered by ranks) at the suite's largest batch that ran on every rank count
+    (scaling_batch)."""
+    batch, note = scaling_batch(suite)
+    if batch is None:
+        return
+    ok = [c for c in suite["cells"] if c["status"] == "ok" and c["variant"] == "hpcinfer"]
     cells = sorted((c for c in ok if c["batch"] == batch), key=lambda c: (c["layout"]["ranks"], c["layout"]["name"]))
     ax.bar([f"{c['layout']['name']}\n({c['layout']['ranks']} rank{'s' if c['layout']['ranks'] > 1 else ''})"
             for c in cells],
            [c["figures"]["tokens_per_s"] for c in cells])
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"{suite['name']}, batch {batch}")
+    ax.set_title(f"{suite['name']}, batch {batch}" + (f"\n({note})" if note else ""), fontsize=9 if note else None)
     ax.tick_params(axis="x", labelsize=7)
 
 

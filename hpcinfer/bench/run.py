@@ -14,8 +14,10 @@ from . import figures as fig
 from .cells import run_cell
 from .common import ChildCpuMeter, agreement, busy_warning, git_commit, loadavg, logger, machine_info, \
     usable_cores, wait_quiet
-from .plan import model_arch, plan_cells, suite_prompts, write_prompts
-from .suites import SUITES, BenchConfig
+from .plan import CUDA_GRAPHS, NO_GRAPHS_CPU, graphs_skip, is_moe, model_arch, plan_cells, suite_prompts, \
+    write_prompts
+from .schema import CURRENT
+from .suites import SUITES, BenchConfig, resolve_backend
 
 log = logger("hpcinfer bench")
 
@@ -23,12 +25,12 @@ log = logger("hpcinfer bench")
 class SuiteRun:
     """One suite's cells, prompts and samples while the rounds run."""
 
-    def __init__(self, cfg: BenchConfig, suite, workdir: Path):
-        self.suite, self.arch = suite, model_arch(suite)
+    def __init__(self, cfg: BenchConfig, suite, workdir: Path, backend: str = "numpy"):
+        self.suite, self.arch, self.backend = suite, model_arch(suite), backend      # backend: resolved
         limit = self.arch.max_positions
         self.skip = "" if suite.prompt_len + suite.new_tokens <= limit else \
             f"prompt_len + new_tokens = {suite.prompt_len + suite.new_tokens} is above the model's {limit} positions"
-        self.cells = [] if self.skip else plan_cells(cfg, suite, self.arch)
+        self.cells = [] if self.skip else plan_cells(cfg, suite, self.arch, backend)
         self.prompts = [] if self.skip else suite_prompts(suite, self.arch)
         self.files = {b: write_prompts(self.prompts[:b], workdir / f"{suite.name}-b{b}.jsonl")
                       for b in suite.batches if not self.skip}
@@ -37,6 +39,7 @@ class SuiteRun:
         self.tokens = {}                                     # per cell: the generated tokens (of a run that ran)
         self.hf = {}                                         # batch -> [figures per round]
         self.hf_tokens = {}
+        self.hf_device = ("", "")                            # (results' device, note when not hpcinfer's kind)
 
 
 def run_rounds(cfg: BenchConfig, runs: list[SuiteRun], workdir: Path, machine_GBps: float, t_start: float):
@@ -63,7 +66,7 @@ def run_rounds(cfg: BenchConfig, runs: list[SuiteRun], workdir: Path, machine_GB
                 continue
             ranks_on_node = cell.layout.ranks_per_node or cell.layout.ranks
             device_total = offload_device_total(run, cell, workdir / f"cell{count:04d}.toml")
-            sample = fig.from_metrics(res["metrics"], ranks_on_node, machine_GBps, device_total)
+            sample = fig.from_metrics(res["metrics"], ranks_on_node, machine_GBps, device_total, cell.backend)
             sample.update(round=rnd, wall_s=res["wall_s"], cpu=cpu, other_cpus_before=before["other_cpus"])
             run.runs[cell.key].append(sample)
             run.tokens[cell.key] = res["tokens"]
@@ -114,17 +117,19 @@ def hf_round(cfg: BenchConfig, run: SuiteRun, rnd: int, models: dict) -> None:
         return
     import torch
 
-    from .hf_baseline import Transformers
+    from .hf_baseline import Transformers, device_name, pick_device
 
     source = run.suite.model.hf_source
-    if source not in models:
-        log(f"transformers baseline: loading {source}")
-        models[source] = Transformers(source)
+    device, note = pick_device(run.backend, torch)
+    if (source, device) not in models:
+        log(f"transformers baseline: loading {source} on {device}" + (f" ({note})" if note else ""))
+        models[source, device] = Transformers(source, device)
+    run.hf_device = (device_name(device, torch), note)
     torch.set_num_threads(cfg.threads or usable_cores())
     for batch in run.suite.batches:
         wait_quiet(cfg.quiet_wait_s)
         meter = ChildCpuMeter()
-        prefill, steps, tokens = models[source].generate(run.prompts[:batch], run.suite.new_tokens)
+        prefill, steps, tokens = models[source, device].generate(run.prompts[:batch], run.suite.new_tokens)
         sample = fig.from_steps(prefill, steps, batch, run.suite.new_tokens)
         sample.update(round=rnd, cpu=meter.lap())
         run.hf.setdefault(batch, []).append(sample)
@@ -157,17 +162,24 @@ def find(records: list, layout: str, batch: int, variant: str) -> dict | None:
 
 
 def baselines(run: SuiteRun, records: list) -> list:
-    """Ratios of hpcinfer against each baseline at the same layout and batch (> 1: hpcinfer is better)."""
+    """Ratios of hpcinfer against each baseline at the same layout and batch (> 1: hpcinfer is better). A naive
+    variant is the baseline of the layout's hpcinfer cell; the CUDA graphs variant is the tuned path, and the
+    hpcinfer cell (graphs off by default) is its baseline, "no CUDA graphs"."""
     out = []
     for rec in records:
         if rec["variant"] == "hpcinfer" or rec["status"] != "ok":
             continue
-        ours = find(records, rec["layout"]["name"], rec["batch"], "hpcinfer")
-        if ours and ours["status"] == "ok":
-            checks = agreement(_tokens_list(run.tokens[_key(run, ours)]), _tokens_list(run.tokens[_key(run, rec)]))
-            out.append({"name": rec["variant"], "kind": "naive", "layout": rec["layout"]["name"],
-                        "batch": rec["batch"], "status": "ok", "ratios": fig.ratios(rec["figures"], ours["figures"]),
-                        "checks": checks})
+        plain = find(records, rec["layout"]["name"], rec["batch"], "hpcinfer")
+        if not plain or plain["status"] != "ok":
+            continue
+        base, ours = (plain, rec) if rec["variant"] == CUDA_GRAPHS else (rec, plain)
+        checks = agreement(_tokens_list(run.tokens[_key(run, ours)]), _tokens_list(run.tokens[_key(run, base)]))
+        out.append({"name": "no CUDA graphs" if rec["variant"] == CUDA_GRAPHS else rec["variant"], "kind": "naive",
+                    "layout": rec["layout"]["name"], "batch": rec["batch"], "status": "ok",
+                    "ratios": fig.ratios(base["figures"], ours["figures"]), "checks": checks})
+    graphs_why = graphs_skip(run.suite, is_moe(run.arch), run.backend) if not run.skip else ""
+    if run.backend == "cupy" and graphs_why:         # on NumPy the results' not_applicable says it once
+        out.append({"name": "no CUDA graphs", "kind": "naive", "status": "not applicable", "reason": graphs_why})
     why = hf_applicability(run)
     one = next((c.layout.name for c in run.cells if c.layout.ranks == 1 and not c.skip), None)
     if not why and one is None:
@@ -179,10 +191,11 @@ def baselines(run: SuiteRun, records: list) -> list:
         if not ours or ours["status"] != "ok":
             continue
         figures = fig.medians(samples)
+        device, note = run.hf_device
         out.append({"name": "transformers", "kind": "transformers", "layout": one, "batch": batch, "status": "ok",
-                    "figures": figures, "ratios": fig.ratios(figures, ours["figures"]),
+                    "device": device, "figures": figures, "ratios": fig.ratios(figures, ours["figures"]),
                     "checks": agreement(_tokens_list(run.tokens[_key(run, ours)]), run.hf_tokens[batch]),
-                    "runs": samples})
+                    "runs": samples} | ({"device_note": note} if note else {}))
     return out
 
 
@@ -214,13 +227,23 @@ def suite_record(run: SuiteRun) -> dict:
     return rec
 
 
-def not_applicable(machine: dict) -> list:
-    cpu = "GPU backend only: the NumPy backend has no fused kernels and no CUDA graphs"
-    fusion = cpu if not machine["gpus"] else "hpcinfer has no switch to turn kernel fusion off yet"
-    graphs = cpu if not machine["gpus"] else (
-        "[runtime] cuda_graphs switches them (off by default, so these cells ran without them); "
-        "graphs on against off is not a bench variant yet: bench/quant.py --cuda-graphs times both")
-    return [{"name": "no fusion", "reason": fusion}, {"name": "no CUDA graphs", "reason": graphs}]
+def not_applicable(machine: dict, backend: str | None = None) -> list:
+    """The baselines this run cannot measure, with why. backend: what the cells ran on (None: not known, as for a
+    machine description alone). On cupy, no CUDA graphs is a variant cell of the suites (plan.tuned_variants),
+    so it is not listed here; suites where graphs cannot apply say so in their own baselines."""
+    on_cpu = backend == "numpy" or (backend is None and not machine["gpus"])
+    fusion = NO_GRAPHS_CPU if on_cpu else "hpcinfer has no switch to turn kernel fusion off yet"
+    out = [{"name": "no fusion", "reason": fusion}]
+    if backend == "numpy" and machine["gpus"]:
+        out.append({"name": "no CUDA graphs", "reason": "the cells ran on the NumPy backend ([run] backend = "
+                                                        "\"numpy\"); [runtime] cuda_graphs needs cupy"})
+    elif on_cpu:
+        out.append({"name": "no CUDA graphs", "reason": NO_GRAPHS_CPU})
+    elif backend is None:
+        out.append({"name": "no CUDA graphs", "reason": "[runtime] cuda_graphs switches them (off by default); the "
+                                                        "bench runs graphs on against off as a variant cell when "
+                                                        "its cells run on cupy"})
+    return out
 
 
 def run_bench(cfg: BenchConfig, out: str, keep: bool = False) -> dict:
@@ -230,11 +253,13 @@ def run_bench(cfg: BenchConfig, out: str, keep: bool = False) -> dict:
 
     t_start, started, load_start = time.perf_counter(), _dt.datetime.now().astimezone(), loadavg()
     machine = machine_info()
+    backend = resolve_backend(cfg.backend)
+    log(f"backend of every cell: {backend} ([run] backend = {cfg.backend})")
     bandwidth = fig.read_bandwidth_GBps()
     log(f"memory read bandwidth {bandwidth['GBps']:.1f} GB/s; load average {load_start}")
     workdir = Path(tempfile.mkdtemp(prefix="hpcinfer-bench-"))
     try:
-        runs = [SuiteRun(cfg, s, workdir) for s in cfg.suites]
+        runs = [SuiteRun(cfg, s, workdir, backend) for s in cfg.suites]
         log("cells: " + ", ".join(f"{r.suite.name} {sum(not c.skip for c in r.cells)}" for r in runs))
         run_rounds(cfg, runs, workdir, bandwidth["GBps"], t_start)
     finally:
@@ -247,16 +272,18 @@ def run_bench(cfg: BenchConfig, out: str, keep: bool = False) -> dict:
     failed = [f"{x['name']} | {c['layout']['name']} | batch {c['batch']} | {c['variant']}: {c['reason']}"
               for x in suites for c in x["cells"] if c["status"] == "failed"]
     return {
-        "schema": "hpcinfer-bench/1",
+        "schema": CURRENT,
+        "backend": backend,
         "date": started.date().isoformat(), "timestamp": started.isoformat(timespec="seconds"),
         "elapsed_s": round(time.perf_counter() - t_start, 1),
         "config": {"path": cfg.path, "repeats": cfg.repeats, "quiet_wait_s": cfg.quiet_wait_s,
-                   "threads": cfg.threads, "launcher": list(cfg.launcher) or ["mpiexec", "-n", "{ranks}"],
+                   "threads": cfg.threads, "backend": cfg.backend,
+                   "launcher": list(cfg.launcher) or ["mpiexec", "-n", "{ranks}"],
                    "layouts": [dataclasses.asdict(lay) for lay in cfg.layouts]},
         "machine": machine | {"memory_read": bandwidth, "loadavg_start": load_start, "loadavg_end": loadavg()},
         "software": {"hpcinfer": hpcinfer.__version__, "numpy": np.__version__, "git_commit": git_commit()},
         "suites": suites,
-        "not_applicable": not_applicable(machine),
+        "not_applicable": not_applicable(machine, backend),
         "warnings": busy_warning(others, "a cell (cells[].runs[].cpu.other_cpus)")
                     + [f"failed: {f}" for f in failed],
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..backend.ops import BACKENDS
 from ..config import read_toml
 from ..errors import ConfigError
 
@@ -94,6 +95,8 @@ class BenchConfig:
     threads: int = 0                        # [runtime] threads of every job (0: cores / ranks)
     launcher: tuple = ()                    # argv before `python -m hpcinfer run`; {ranks} is filled in
     python: str = ""                        # "" = this interpreter
+    backend: str = "auto"                   # [runtime] backend of every cell: auto (cupy when the driver sees a
+                                            # GPU), numpy or cupy; resolved once and written into each cell
 
 
 def _err(path: str, msg: str) -> ConfigError:
@@ -215,7 +218,7 @@ def load_bench_config(path: str, only: list[str] | None = None) -> BenchConfig:
     if len(set(names)) != len(names):
         raise _err(path, f"[[layout]] names must differ: {names}")
     run = _only(path, "[run]", raw.get("run", {}), ("suites", "repeats", "quiet_wait_s", "timeout_s", "threads",
-                                                      "launcher", "python"))
+                                                      "launcher", "python", "backend"))
     tables = _only(path, "[suite]", raw.get("suite", {}), tuple(SUITES))
     order = _take(path, "[run]", run, "suites", list, list(tables) or list(SUITES))
     if only:
@@ -234,4 +237,17 @@ def load_bench_config(path: str, only: list[str] | None = None) -> BenchConfig:
                                                 lambda v: (v >= 0, "must be >= 0"))),
                        timeout_s=_take(path, "[run]", run, "timeout_s", int, 300, _positive),
                        threads=_take(path, "[run]", run, "threads", int, 0, lambda v: (v >= 0, "must be >= 0")),
-                       launcher=tuple(launcher), python=_take(path, "[run]", run, "python", str, ""))
+                       launcher=tuple(launcher), python=_take(path, "[run]", run, "python", str, ""),
+                       backend=_take(path, "[run]", run, "backend", str, "auto",
+                                     lambda v: (v in BACKENDS, f"must be one of {', '.join(BACKENDS)}")))
+
+
+def resolve_backend(requested: str) -> str:
+    """The backend every cell runs on: numpy, cupy, or for auto cupy when cupy sees a GPU here (as make_ops
+    resolves it), else numpy. Resolved once in the driver so that the cells' configs name it and the suites can
+    plan the GPU-only variants (CUDA graphs)."""
+    if requested != "auto":
+        return requested
+    from ..backend.cupy_ops import gpu_available
+
+    return "cupy" if gpu_available() else "numpy"
