@@ -12,6 +12,7 @@ PLOTS = ("latency", "throughput", "bandwidth", "scaling")
 
 
 NA = "n/a"              # a figure that is null (its reason is listed under the table) or absent (older schema)
+OLD_HF_DEVICE = "cpu (not recorded: before schema 2 it ran on the CPU only)"
 
 
 def _mb(n) -> str:
@@ -28,12 +29,12 @@ def _pct(v) -> str:
 
 def backends_line(result: dict) -> str:
     """Where hpcinfer's cells and the transformers baseline ran (schema 2 records both; schema 1 neither)."""
-    cells = sorted({c["figures"].get("backend") or NA for s in result["suites"] for c in s["cells"]
-                    if c["status"] == "ok"})
-    ours = result.get("backend") or "not recorded (results of schema hpcinfer-bench/1)"
+    cells = sorted({c["figures"].get("backend") for s in result["suites"] for c in s["cells"]
+                    if c["status"] == "ok"} - {None})
+    ours = result.get("backend") or "not recorded (schema hpcinfer-bench/1)"
     if cells and cells != [ours]:
         ours += f" (cells: {', '.join(cells)})"
-    hf = sorted({b.get("device") or "not recorded" for s in result["suites"] for b in s["baselines"]
+    hf = sorted({b.get("device") or OLD_HF_DEVICE for s in result["suites"] for b in s["baselines"]
                  if b["kind"] == "transformers" and b["status"] == "ok"})
     line = f"hpcinfer backend: {ours}"
     if hf:
@@ -112,7 +113,7 @@ def _baseline_name(b: dict) -> str:
     """The transformers baseline with its device ("transformers on cpu"); older results did not record it."""
     if b["kind"] != "transformers":
         return b["name"]
-    return f"{b['name']} on {b.get('device') or 'cpu (not recorded: hf_baseline ran on the CPU only then)'}"
+    return f"{b['name']} on {b.get('device') or 'cpu'}"
 
 
 def suite_lines(suite: dict) -> list[str]:
@@ -226,7 +227,10 @@ def _scaling(ax, suite: dict) -> None:
             for c in cells],
            [c["figures"]["tokens_per_s"] for c in cells])
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"{suite['name']}, batch {batch}" + (f"\n({note})" if note else ""), fontsize=9 if note else None)
+    if note:
+        ax.set_title(f"{suite['name']}, batch {batch}\n({note})", fontsize=9)
+    else:
+        ax.set_title(f"{suite['name']}, batch {batch}")
     ax.tick_params(axis="x", labelsize=7)
 
 
