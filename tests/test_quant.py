@@ -337,3 +337,22 @@ def test_stored_checkpoint_shard_that_splits_a_group_is_refused(llama):
         with pytest.raises(CheckpointError, match=r"tensor 'layers.0.mlp.down.weight': group size 16 .*40:80.*"
                                                   r"use a tp degree whose shards hold whole groups"):
             storage.read_quantized(ckpt.file, "layers.0.mlp.down.weight", cols=slice(40, 80))
+
+
+# ---- bench/perplexity.py's attribution and search modes --------------------------------------------------------
+def test_perplexity_bench_part_modes_and_search_quantize():
+    """The bench's W-layers / W-embed / W-search names parse, and its clipping search keeps the int4 format (q in
+    0..15, one scale and min per group) with a squared error no larger than min-max's (the (0, 0) clip is one of
+    its candidates, refitted by least squares)."""
+    from bench import perplexity as bench
+
+    assert bench.split_weights("int4-g64-layers") == ("int4-g64", "layers")
+    assert bench.split_weights("int8-embed") == ("int8", "embed")
+    assert bench.split_weights("int4-g32") == ("int4-g32", "")
+    assert bench.split_weights("q4_1-layers") == ("q4_1-layers", "")            # the kept GGUF has no float load
+    w = _weights(64, 256, seed=4)
+    qt, err_minmax, err_search = bench.search_quantize(w, "int4", 64, chunk_rows=24)
+    assert qt.q.shape == (64, 128) and qt.scale.shape == qt.min.shape == (64, 4) and qt.group_size == 64
+    assert np.isclose(err_minmax, float(((dequantize(quantize(w, "int4", 64)) - w).astype(np.float64) ** 2).sum()))
+    assert np.isclose(err_search, float(((dequantize(qt) - w).astype(np.float64) ** 2).sum()))
+    assert err_search < err_minmax
