@@ -22,8 +22,9 @@ from .generate.resume import SIDECAR_SUFFIX
 from .generate.sampling import SamplingParams
 from .generate.schedule import micro_batches
 from .generate.tokenizer import TextTokenizer
-from .metrics import peak_rss_bytes, summarize
+from .metrics import held_weight_bytes, peak_rss_bytes, summarize
 from .offload.budget import check_budgets, kv_format_of, predicted_vs_measured
+from .offload.sizes import kv_token_bytes
 from .quant.storage import quant_of
 from .offload.zigzag import run_block_zigzag
 from .parallel.layout import check_experts, check_tensor_parallel
@@ -245,13 +246,31 @@ def _one_batch(model, job: Job, indices: list, params, times, schedule, link, lo
 
 def _offloaded_batch(model, prompts, indices, params, times, offload) -> list:
     """One batch = one block: the zig-zag schedule over its GPU batches, or row by row (each GPU batch through
-    all its token steps, streaming every layer each step)."""
+    all its token steps, streaming every layer each step). The tiers' counter (model.weights.memory) holds the
+    embedding tables throughout; the zig-zag schedule counts its caches and activations itself, here the row
+    schedule's are counted around each GPU batch (generate_batch allocates its whole KV cache at the start)."""
+    memory = model.weights.memory
+    memory.hold("device", "embedding tables", held_weight_bytes([model.embed, model.positions, model.final_norm,
+                                                                 model.lm_head]))
     if offload.schedule == "zigzag":
         return run_block_zigzag(model, prompts, indices, params, times, offload)
     outputs = []
     for group in micro_batches(len(prompts), offload.num_gpu_batches):
-        outputs += generate_batch(model, [prompts[i] for i in group], [indices[i] for i in group], params, times)
+        members = [prompts[i] for i in group]
+        memory.hold("device", "KV cache", _row_cache_bytes(model, members, params.max_new_tokens))
+        memory.hold("device", "activations", sum(map(len, members)) * model.arch.hidden_size * 4)   # prefill [T, D]
+        outputs += generate_batch(model, members, [indices[i] for i in group], params, times)
+        memory.hold("device", "KV cache", 0)
+        memory.hold("device", "activations", 0)
     return outputs
+
+
+def _row_cache_bytes(model, prompts: list, max_new_tokens: int) -> int:
+    """Bytes of the KV cache generate_batch allocates for these prompts: every local layer, every sequence, the
+    longest sequence's positions (offload/sizes.kv_token_bytes, the budget's rule)."""
+    arch = model.arch
+    max_len = max(min(len(p) + max_new_tokens, arch.max_positions) for p in prompts)
+    return kv_token_bytes(arch, model.tp.size, model.kv_format) * max_len * len(prompts) * model.num_local_layers
 
 
 def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> None:

@@ -65,8 +65,27 @@ def dequant_scratch_bytes(ops) -> int:
 
 
 def held_bytes(model) -> dict:
-    """What a rank reports (RankReport.held): {"weights": held_weight_bytes, "dequant_scratch": its ops' buffers}."""
-    return {"weights": held_weight_bytes(model), "dequant_scratch": dequant_scratch_bytes(model.ops)}
+    """What a rank reports (RankReport.held): {"weights": held_weight_bytes, "dequant_scratch": its ops' buffers},
+    and with [offload] "offload_peak": the peaks of what its tiers held at once, {tier: bytes}, and
+    "offload_peak_parts": {tier: {part: bytes at that peak}} (offload/tiers.TierMemory)."""
+    held = {"weights": held_weight_bytes(model), "dequant_scratch": dequant_scratch_bytes(model.ops)}
+    memory = getattr(getattr(model, "weights", None), "memory", None)
+    if memory is not None:
+        held["offload_peak"] = dict(memory.peak)
+        held["offload_peak_parts"] = {tier: dict(parts) for tier, parts in memory.peak_parts.items()}
+    return held
+
+
+def offload_peaks(reports: list) -> dict:
+    """The memory section's offload counters: the largest device and host peak of any rank's tiers, and the parts
+    of each at that rank's peak (None without [offload])."""
+    held = [r.held for r in reports if getattr(r, "held", None) and "offload_peak" in r.held]
+    out = {}
+    for tier in ("device", "host"):
+        top = max(held, key=lambda h: h["offload_peak"][tier], default=None)
+        out[f"offload_{tier}_peak_bytes_per_rank"] = top["offload_peak"][tier] if top else None
+        out[f"offload_{tier}_peak_parts"] = top["offload_peak_parts"][tier] if top else None
+    return out
 
 
 def weight_bytes_per_rank(config, arch, mesh, reports: list) -> tuple[float, int | None]:
@@ -139,6 +158,7 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
             "host_peak_rss_bytes_per_rank": max(getattr(r, "peak_rss_bytes", 0) for r in reports),
             "weight_bytes_per_rank": int(weight_bytes),              # as held: quantized weights at their size
             "dequant_scratch_bytes_per_rank": scratch_bytes,           # None when the ranks did not report it
+            **offload_peaks(reports),                                  # what the offload tiers held at once
         },
         "kv_cache": {
             "peak_device_bytes_per_rank": max(r.times.kv_peak_device_bytes for r in reports),

@@ -256,14 +256,14 @@ def test_early_stopping_at_eos_is_the_same_under_offload(prompts, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ accounting
 
-def config_for(tmp_path: Path, **offload_keys):
+def config_for(tmp_path: Path, batch_size: int = N, **offload_keys):
     """A job config with this [offload] (the preset name is only for validation; the arch is passed apart)."""
     lines = [f"{k} = {v!r}".replace("'", '"') if isinstance(v, str) else
              f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in offload_keys.items()]
     path = tmp_path / "job.toml"
     path.write_text('[model]\npreset = "tiny-dense"\n\n'
                     f'[generate]\nprompts = "p.jsonl"\noutput = "o.jsonl"\nmax_new_tokens = {MAX_NEW}\n'
-                    f"batch_size = {N}\n\n[offload]\n" + "\n".join(lines) + "\n")
+                    f"batch_size = {batch_size}\n\n[offload]\n" + "\n".join(lines) + "\n")
     return load_config(str(path))
 
 
@@ -300,8 +300,66 @@ def test_a_model_several_times_the_device_budget_runs_within_it(prompts, tmp_pat
                   for h, k in layer_tensors(part))                               # tables, positions, final norm
     assert outside > arch.vocab_size * arch.hidden_size * 4
     assert 0 < times.kv_peak_device_bytes <= plan["parts"]["KV cache on the device"]   # two staging buffers
-    assert tiers.peak_bytes + outside + times.kv_peak_device_bytes <= budget
+    assert 0 < times.act_peak_device_bytes == plan["parts"]["activations on the device"]
+    peaks = tiers.peak_bytes + outside + times.kv_peak_device_bytes + times.act_peak_device_bytes
+    assert peaks <= budget
+    assert tiers.memory.peak["device"] == peaks                                  # the one counter: all of them
     assert len(fetch_log["read"]) == 16 * MAX_NEW                                 # every layer, every step
+
+
+@pytest.mark.parametrize("schedule", ["row", "zigzag"])
+def test_the_tiers_peak_use_stays_within_both_budgets(prompts, tmp_path, schedule):
+    """16 layers of tiny-dense, half in host memory and half on disk, prefetch 1; zig-zag: the 8 prompts in 4 GPU
+    batches, the KV cache all in host memory and 3/4 of the activation rows too; row (its cache and activations
+    stay on the device, and the plan counts the whole block's cache): 2 prompts in 2 GPU batches. Budgets: exactly
+    the plan's device and host bytes (the model is 4x+ the device budget and above the host budget). The tiers' two
+    counters (device: layers, tables, KV cache with its staging, activations; host: layers, KV rows, activation
+    rows) peak within them: at the plan exactly with zig-zag, whose caches and buffers live through the whole
+    block; below it by row, which holds one GPU batch's cache at a time where the plan counts the block's."""
+    source = preset("tiny-dense", layers=16)
+    arch = source.arch
+    count = N if schedule == "zigzag" else 2
+    prompts, lengths = prompts[:count], list(PROMPT_LENGTHS[:count])
+    reference, _ = generate(build(source), prompts)
+    keys = dict(weights_gpu=0, weights_cpu=50, disk_dir=str(tmp_path / "disk"), prefetch_layers=1,
+                schedule=schedule, num_gpu_batches=4 if schedule == "zigzag" else 2)
+    if schedule == "zigzag":
+        keys.update(cache_gpu=0, cache_cpu=100, act_gpu=25, act_cpu=75)
+    stages = partition_layers(arch, 1)
+    plan = plan_bytes(arch, config_for(tmp_path, count, **keys), stages[0], lengths)
+    device_budget, host_budget = int(plan["device"]), int(plan["host"])
+    model_bytes = arch.param_count() * 4
+    assert model_bytes >= 4 * device_budget and model_bytes > host_budget, (model_bytes, plan)
+    config = config_for(tmp_path, count, **keys, device_memory=device_budget, host_memory=host_budget)
+    check_budgets(arch, config, stages, lengths)
+
+    model = build(source, config.offload)
+    out, times = generate(model, prompts, config.offload)
+    assert out == reference
+    memory = model.weights.memory
+    assert 0 < memory.peak["device"] <= device_budget and 0 < memory.peak["host"] <= host_budget
+    device, host = memory.peak_parts["device"], memory.peak_parts["host"]
+    assert device["layers"] == 2 * model.weights.layer_bytes[0]                  # the one computing + 1 ahead
+    assert device["embedding tables"] == plan["parts"]["embedding tables"]
+    assert device["KV cache"] > 0 and device["activations"] > 0
+    assert host["layers"] == plan["host_parts"]["host layers"]
+    if schedule == "zigzag":
+        assert memory.peak["device"] == device_budget and memory.peak["host"] == host_budget
+        assert host["KV cache rows"] == plan["host_parts"]["KV cache rows in host memory"] > 0
+        assert host["activation rows"] == plan["host_parts"]["activation rows in host memory"] > 0
+        assert device["KV cache"] == times.kv_peak_device_bytes                   # two staging buffers
+        assert device["activations"] == times.act_peak_device_bytes              # device rows + staging
+    else:
+        assert device["KV cache"] == times.kv_peak_device_bytes                   # one GPU batch's cache
+        assert memory.peak["host"] == host_budget
+    assert memory.total("device") == device["embedding tables"]                 # after the run: tables only
+    from hpcinfer.metrics import held_bytes, offload_peaks                       # what the run's metrics report
+
+    reported = offload_peaks([types.SimpleNamespace(held=held_bytes(model))])
+    assert reported["offload_device_peak_bytes_per_rank"] == memory.peak["device"]
+    assert reported["offload_host_peak_bytes_per_rank"] == memory.peak["host"]
+    assert reported["offload_device_peak_parts"] == device and reported["offload_host_peak_parts"] == host
+    assert offload_peaks([types.SimpleNamespace(held={"weights": 1})])["offload_device_peak_bytes_per_rank"] is None
 
 
 def test_the_plan_puts_layers_in_the_tiers_the_run_uses(tmp_path):

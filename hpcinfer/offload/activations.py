@@ -32,8 +32,9 @@ class HostActivations:
     is begin_step, then store(b, EMBEDDING, x) per batch, then per (layer, b) in the zig-zag order load(b, layer)
     and store(b, layer, output), then load(b, num_layers) for the logits."""
 
-    def __init__(self, ops, hidden: int, act_gpu: float):
+    def __init__(self, ops, hidden: int, act_gpu: float, memory=None):
         self.ops, self.hidden, self.act_gpu = ops, hidden, act_gpu
+        self.memory = memory                      # tiers.TierMemory: "activations" / "activation rows", or None
         self.staged = None                        # None until the prefill step: True when any row is on the host
         self.copies = None
         self.held: dict = {}                      # all on the device: b -> x [T, D] as the layer returned it
@@ -67,12 +68,14 @@ class HostActivations:
             self._allocate()
         self.order = [(layer, b) for layer in range(num_layers + 1) for b in tokens]   # layer num_layers: logits
         self.cursor, self.loads, self.stored, self.held = -1, {}, set(), {}
+        if not self.staged:
+            self._count()                                  # last step's outputs are dropped
 
     def store(self, b: int, layer: int, x) -> None:
         """Batch b's output of `layer` (EMBEDDING: of its embedding), x [T, D]: kept, or split to its tiers."""
         if not self.staged:
             self.held[b] = x
-            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+            self._count()
             return
         if layer != EMBEDDING:
             assert self.order[self.cursor] == (layer, b), f"zig-zag activations out of order: {(layer, b)}"
@@ -109,6 +112,15 @@ class HostActivations:
         self.stores.clear()
         if self.copies is not None:
             self.copies.close()
+        if self.memory is not None:                                # the block's buffers are dropped with it
+            self.memory.hold("device", "activations", 0)
+            self.memory.hold("host", "activation rows", 0)
+
+    def _count(self) -> None:
+        """The device bytes now, into the peak and the tiers' counter."""
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+        if self.memory is not None:
+            self.memory.hold("device", "activations", self.device_bytes)
 
     def _allocate(self) -> None:
         """At the prefill step (the most rows): staged when any batch has host rows; then its buffers."""
@@ -120,7 +132,9 @@ class HostActivations:
         self.host = {b: self.copies.host_buffer((t - r, self.hidden), np.float32) for b, (t, r) in self.rows.items()}
         widest = max(t for t, _ in self.rows.values())
         self.staging = [self.ops.zeros((widest, self.hidden)) for _ in range(2)]
-        self.peak_device_bytes = self.device_bytes
+        self._count()
+        if self.memory is not None:
+            self.memory.hold("host", "activation rows", self.host_bytes)
 
     def _prefetch(self) -> None:
         """Start the host rows' upload of the pair after the one computing, into the staging buffer not computing,

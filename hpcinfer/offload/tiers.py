@@ -5,7 +5,8 @@ On the NumPy backend the device is the compute arrays, the host a separate store
 file per array under `[offload] disk_dir` (read back through a memory map, never whole-file into a second copy).
 A weight slot holds a float array, a list of arrays (an expert stack) or a QuantizedTensor (its q, scale and min
 move; the bytes moved are the quantized bytes). Device bytes are accounted: resident layers + layers fetched at
-the moment; the peak is reported.
+the moment; the peak is reported. TierMemory counts everything the offload tiers hold at once on the device and
+in host memory (layers here, the KV cache and activations from the schedules), with each tier's peak.
 
 Partitioned fetch (ZeRO-Inference with several ranks per node, `[offload] partitioned_fetch`): the replicas of a
 fetch group (same stage and tp rank, one node) each keep 1/N of every streamed layer's bytes in their own host
@@ -114,6 +115,43 @@ def _nbytes(value) -> int:
     return sum(int(a.nbytes) for a in parts_of(value))
 
 
+class TierMemory:
+    """What the offload tiers of one rank hold at once, part by part, and the peak of each tier's total: the two
+    counters the budgets `device_memory` and `host_memory` are checked against after a run (the plan,
+    budget.plan_bytes, before it). Parts on the device: "layers" (resident + streamed, WeightTiers),
+    "embedding tables", "KV cache" (device caches and device rows, with the staging buffers) and "activations"
+    (held hidden states, or device rows and staging buffers); on the host: "layers" (pinned host layers, or this
+    rank's parts of them with partitioned fetch), "KV cache rows" and "activation rows". Updated from the prefetch
+    threads too (a lock); `peak_parts[tier]` is the split of that tier's peak."""
+
+    def __init__(self):
+        self.parts: dict = {"device": {}, "host": {}}        # tier -> part -> bytes held now
+        self.peak = {"device": 0, "host": 0}
+        self.peak_parts: dict = {"device": {}, "host": {}}   # tier -> the parts at its peak
+        self.lock = threading.Lock()
+
+    def hold(self, tier: str, part: str, nbytes: int) -> None:
+        """`part` of `tier` holds `nbytes` from now on (0 when freed)."""
+        with self.lock:
+            self.parts[tier][part] = int(nbytes)
+            self._update(tier)
+
+    def add(self, tier: str, part: str, nbytes: int) -> None:
+        """`part` of `tier` holds `nbytes` more (fewer when negative)."""
+        with self.lock:
+            self.parts[tier][part] = self.parts[tier].get(part, 0) + int(nbytes)
+            self._update(tier)
+
+    def total(self, tier: str) -> int:
+        with self.lock:
+            return sum(self.parts[tier].values())
+
+    def _update(self, tier: str) -> None:
+        now = sum(self.parts[tier].values())
+        if now > self.peak[tier]:
+            self.peak[tier], self.peak_parts[tier] = now, dict(self.parts[tier])
+
+
 def place_layers(num_layers: int, weights_gpu: float, weights_cpu: float) -> list[str]:
     """Tier of each layer from the placement percentages (FlexGen places weights at layer granularity): the first
     layers on the device, then host, then disk, in the proportions asked."""
@@ -154,6 +192,7 @@ class WeightTiers:
         self.pool = ThreadPoolExecutor(workers, initializer=ops.use_device) if prefetch_layers else None
         self.lock = threading.Lock()
         self.device_bytes = self.peak_bytes = 0
+        self.memory = TierMemory()                        # what the tiers hold at once; the schedules add theirs
         self.bytes_from_host = self.bytes_from_disk = 0
         self.streamed = [i for i, t in enumerate(tiers) if t != "device"]
         self.cursor = 0                                   # partitioned: index in `streamed` of the next round
@@ -168,15 +207,26 @@ class WeightTiers:
         self.layer_bytes[i] = sum(_nbytes(v) for v in values)
         if self.tiers[i] == "device":
             self.resident.add(i)
-            self.device_bytes += self.layer_bytes[i]
-            self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+            self._on_device(self.layer_bytes[i])
         elif self.group is not None:
             arrays = [self.ops.to_host(a) for v in values for a in parts_of(v)]
             path = self._path(i, "part", self.group.rank) if self.tiers[i] == "disk" else None
             self.images[i] = LayerImage.build(arrays, self.group, self.tiers[i], path, self.copies.host_copy)
             self._drop(i)
+            if self.tiers[i] == "host":                   # this rank's part and its flag byte
+                self.memory.add("host", "layers", int(self.images[i].host.nbytes))
         else:
             self._offload(i, self.tiers[i])
+            if self.tiers[i] == "host":
+                self.memory.add("host", "layers", sum(int(a.nbytes) for n in range(len(self.tensors[i]))
+                                                      for a in self.host[i, n]))
+
+    def _on_device(self, nbytes: int) -> None:
+        """The device holds `nbytes` more of layers (fewer when negative): the weights' peak and the tiers'."""
+        with self.lock:
+            self.device_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+            self.memory.hold("device", "layers", self.device_bytes)
 
     # ---- placing -------------------------------------------------------------------------------------------
     def _offload(self, i: int, tier: str) -> None:
@@ -243,17 +293,14 @@ class WeightTiers:
         with self.copies.freeing():                      # its memory is reused after the work issued so far
             self._drop(i)
         self.resident.discard(i)
-        with self.lock:
-            self.device_bytes -= self.layer_bytes[i]
+        self._on_device(-self.layer_bytes[i])
 
     def _read(self, i: int):
         """Start layer i's copies from its tier into new device arrays (runs on a prefetch thread too): host
         arrays are pinned and copied as they are, disk arrays are read from their memory map into pinned staging.
         With a fetch group: gathered on the device, the upload of this rank's part (the round comes in `_take`);
         gathered in host memory, the whole round."""
-        with self.lock:                                    # the bytes are on the device from now on
-            self.device_bytes += self.layer_bytes[i]
-            self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+        self._on_device(self.layer_bytes[i])              # the bytes are on the device from now on
         if self.gather_on_device:
             return self._upload_part(i)
         if self.group is not None:
@@ -310,8 +357,7 @@ class WeightTiers:
         for i, future in list(self.pending.items()):
             future.result()                               # a host round in flight moves the cursor: wait for it
             parts[i] = future
-            with self.lock:
-                self.device_bytes -= self.layer_bytes[i]
+            self._on_device(-self.layer_bytes[i])
         self.pending.clear()
         while self.group is not None and self.streamed:
             i = self.streamed[self.cursor]

@@ -22,6 +22,7 @@ Shape legend: T tokens of a batch's step, S its running sequences, D hidden.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -89,6 +90,11 @@ class HostKV:
     def device_bytes(self) -> int:
         """Device bytes of the KV cache here: the device rows and the staging buffers."""
         return sum(c.nbytes for c in self.device.values()) + self.staging_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of the KV cache here: the host rows (the whole caches with CPU attention)."""
+        return sum(c.nbytes for c in self.host.values())
 
     def begin_step(self, steps: dict, num_layers: int) -> None:
         """The batches here that run this step ({b: its StepLayout}, in the loop's order): their windows; load the
@@ -204,7 +210,11 @@ def _parts(rows) -> tuple:
 
 
 def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
-    """Generate for every prompt of the block; returns [(generated ids, finish_reason)] in prompt order."""
+    """Generate for every prompt of the block; returns [(generated ids, finish_reason)] in prompt order.
+
+    The schedule (FlexGen's Algorithm 1; docs/offload.md, Schedules), one action per line in _run_step:
+        for token_step: for layer: fetch weights; for gpu_batch: load cache, load activation, compute,
+        store activation, store cache; release weights."""
     arch = model.arch
     seqs = [Sequence(i, list(p), min(len(p) + params.max_new_tokens, arch.max_positions),
                      sequence_rng(params.seed, i)) for i, p in zip(indices, prompts)]
@@ -217,37 +227,28 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
                          kv_format=model.kv_format) for b in on_device}
     host_kv = HostKV(model, {b: len(g) for b, g in enumerate(batches) if b not in caches}, max_len,
                      policy.cpu_attention, policy.cache_gpu)
-    acts = HostActivations(model.ops, arch.hidden_size, policy.act_gpu)
+    memory = model.weights.memory                                                 # tiers.TierMemory
+    device_kv = sum(c.nbytes for c in caches.values()) + host_kv.device_bytes
+    memory.hold("device", "KV cache", device_kv)                                  # device caches, rows, staging
+    memory.hold("host", "KV cache rows", host_kv.host_bytes)
+    acts = HostActivations(model.ops, arch.hidden_size, policy.act_gpu, memory)
     eos = set() if params.ignore_eos else set(arch.eos_token_ids)
-    t_start, first, prefill = time.perf_counter(), True, 0.0
-    while True:
-        work = _step_work(seqs, batches, first)                                   # b -> (seq slots, layout, tokens)
+    t_start, prefill = time.perf_counter(), 0.0
+    for token_step in itertools.count():
+        work = _step_work(seqs, batches, first=token_step == 0)                   # gpu_batch -> (slots, layout, ids)
         if not work:
             break
         t0 = time.perf_counter()
-        rope = {b: model.rope_for(step) for b, (_, step, _) in work.items()}
-        host_kv.begin_step({b: step for b, (_, step, _) in work.items() if b not in caches}, model.num_local_layers)
-        acts.begin_step({b: len(tokens) for b, (_, _, tokens) in work.items()}, model.num_local_layers)
-        for b, (_, step, tokens) in work.items():
-            acts.store(b, EMBEDDING, model.embed_tokens(tokens, step))            # layer 0's input
-        for layer in range(model.num_local_layers):
-            model.weights.fetch(layer)                                            # once for the whole block
-            for b, (_, step, _) in work.items():
-                cache = caches[b] if b in caches else host_kv.cache_for(b, layer)
-                x = acts.load(b, layer)                                           # [T, D]
-                acts.store(b, layer, model.run_layer(layer, x, step, cache, rope[b]))
-                if b not in caches:
-                    host_kv.store(b, layer)
-            model.weights.release(layer)
-        for b, (slots, step, _) in work.items():
-            logits = model.logits(acts.load(b, model.num_local_layers), step)     # the last layer's output
-            _sample_batch(model, [seqs[batches[b][s]] for s in slots], logits, params, eos)
+        _run_step(model, work, caches, host_kv, acts)
+        for gpu_batch, (slots, step, _) in work.items():
+            x = acts.load(gpu_batch, model.num_local_layers)                      # the last layer's output [T, D]
+            logits = model.logits(x, step)
+            _sample_batch(model, [seqs[batches[gpu_batch][s]] for s in slots], logits, params, eos)
         elapsed = time.perf_counter() - t0
-        if first:
+        if token_step == 0:
             prefill = elapsed
         else:
             times.decode_s.append(elapsed)
-        first = False
     times.prefill_s += prefill
     times.gen_phase_s += time.perf_counter() - t_start - prefill
     times.busy_s += time.perf_counter() - t_start
@@ -255,7 +256,8 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     times.generated_tokens += sum(len(s.generated) for s in seqs)
     host_kv.finish()
     acts.finish()
-    device_kv = sum(c.nbytes for c in caches.values()) + host_kv.device_bytes
+    memory.hold("device", "KV cache", 0)                                          # dropped with the block
+    memory.hold("host", "KV cache rows", 0)
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, device_kv)
     times.kv_bytes_to_device += host_kv.bytes_to_device
     times.kv_bytes_to_host += host_kv.bytes_to_host
@@ -263,6 +265,29 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     times.act_bytes_to_device += acts.bytes_to_device
     times.act_bytes_to_host += acts.bytes_to_host
     return [(s.generated, s.finish_reason) for s in seqs]
+
+
+def _run_step(model, work: dict, caches: dict, host_kv: HostKV, acts: HostActivations) -> None:
+    """One token step of the block through every layer, in the zig-zag order: for each layer, every GPU batch
+    (work: gpu_batch -> (slots, step layout, input ids))."""
+    rope = {gpu_batch: model.rope_for(step) for gpu_batch, (_, step, _) in work.items()}
+    host_kv.begin_step({gpu_batch: step for gpu_batch, (_, step, _) in work.items() if gpu_batch not in caches},
+                       model.num_local_layers)
+    acts.begin_step({gpu_batch: len(ids) for gpu_batch, (_, _, ids) in work.items()}, model.num_local_layers)
+    for gpu_batch, (_, step, ids) in work.items():
+        x = model.embed_tokens(ids, step)                                         # compute: [T, D]
+        acts.store(gpu_batch, EMBEDDING, x)                                       # store activation: layer 0's input
+    for layer in range(model.num_local_layers):
+        model.weights.fetch(layer)                                                # load weight, once for the block
+        for gpu_batch, (_, step, _) in work.items():
+            on_device = gpu_batch in caches
+            cache = caches[gpu_batch] if on_device else host_kv.cache_for(gpu_batch, layer)   # load cache
+            x = acts.load(gpu_batch, layer)                                       # load activation [T, D]
+            y = model.run_layer(layer, x, step, cache, rope[gpu_batch])           # compute [T, D]
+            acts.store(gpu_batch, layer, y)                                       # store activation
+            if not on_device:
+                host_kv.store(gpu_batch, layer)                                   # store cache
+        model.weights.release(layer)                                              # streamed layers leave the device
 
 
 def _step_work(seqs, batches, first: bool) -> dict:
