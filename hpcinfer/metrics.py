@@ -4,10 +4,13 @@ pipeline's per-stage busy time and bubble fraction. Built on rank 0 from every r
 from __future__ import annotations
 
 import dataclasses
+import math
 import resource
 import sys
 
 import numpy as np
+
+from .model.arch import tensor_shapes
 
 
 def peak_rss_bytes() -> int:
@@ -16,14 +19,26 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024            # Linux reports KiB, macOS bytes
 
 
-def matmul_params(arch) -> int:
-    """Parameters that take part in a matmul per token (not the position table, nor the embedding lookup when
-    the LM head is separate); 2 FLOPs each per token."""
+def stored_matmul_params(arch) -> int:
+    """Parameters of the matrices a token may go through, every expert counted (not the position table, nor the
+    embedding lookup when the LM head is separate): the weights a rank reads, for the byte estimate."""
     total = arch.param_count()
     if arch.position == "learned":
         total -= arch.max_positions * arch.hidden_size
     if not arch.tied_embeddings:
         total -= arch.vocab_size * arch.hidden_size
+    return total
+
+
+def matmul_params(arch) -> int:
+    """Parameters that take part in a matmul per token, 2 FLOPs each: stored_matmul_params with, in each MoE
+    layer, only the top-k of its E experts a token is routed to (k/E of the expert stacks; the router, a PR-MoE
+    residual MLP and its mixing coefficients run for every token)."""
+    total = stored_matmul_params(arch)
+    for name, shape in tensor_shapes(arch).items():
+        if ".moe.experts." in name:                                # [E, ...]: a token runs top_k of them
+            experts = shape[0]
+            total -= math.prod(shape) // experts * (experts - min(arch.moe_top_k, experts))
     return total
 
 
@@ -65,15 +80,28 @@ def dequant_scratch_bytes(ops) -> int:
 
 
 def held_bytes(model) -> dict:
-    """What a rank reports (RankReport.held): {"weights": held_weight_bytes, "dequant_scratch": its ops' buffers},
-    and with [offload] "offload_peak": the peaks of what its tiers held at once, {tier: bytes}, and
+    """What a rank reports (RankReport.held): {"weights": held_weight_bytes, "dequant_scratch": its ops' buffers,
+    "backend": the backend it computed on (numpy / cupy), "streamed_per_step": streamed_bytes_per_step}, and with
+    [offload] "offload_peak": the peaks of what its tiers held at once, {tier: bytes}, and
     "offload_peak_parts": {tier: {part: bytes at that peak}} (offload/tiers.TierMemory)."""
-    held = {"weights": held_weight_bytes(model), "dequant_scratch": dequant_scratch_bytes(model.ops)}
+    held = {"weights": held_weight_bytes(model), "dequant_scratch": dequant_scratch_bytes(model.ops),
+            "backend": getattr(model.ops, "name", None), "streamed_per_step": streamed_bytes_per_step(model)}
     memory = getattr(getattr(model, "weights", None), "memory", None)
     if memory is not None:
         held["offload_peak"] = dict(memory.peak)
         held["offload_peak_parts"] = {tier: dict(parts) for tier, parts in memory.peak_parts.items()}
     return held
+
+
+def streamed_bytes_per_step(model) -> int:
+    """Weight bytes an offloaded rank streams in per token step (of one GPU batch by row, of the block by
+    zig-zag): every layer not on the device is fetched once per step, the whole layer on the device even when
+    partitioned fetch brings each rank 1/N over the link. Not in held_weight_bytes (dropped after use); 0 without
+    [offload]."""
+    tiers = getattr(model, "weights", None)
+    if tiers is None:
+        return 0
+    return sum(b for b, tier in zip(tiers.layer_bytes, tiers.tiers) if tier != "device")
 
 
 def offload_peaks(reports: list) -> dict:
@@ -95,7 +123,21 @@ def weight_bytes_per_rank(config, arch, mesh, reports: list) -> tuple[float, int
     if held:
         return max(h["weights"] for h in held), max(h["dequant_scratch"] for h in held)
     itemsize = 4 if config.model.dtype == "float32" else 2
-    return matmul_params(arch) * itemsize / (mesh.shape.tp * mesh.shape.pp), None
+    return stored_matmul_params(arch) * itemsize / (mesh.shape.tp * mesh.shape.pp), None
+
+
+def decode_bytes_per_rank(weight_bytes: float, reports: list) -> float:
+    """Weight bytes a decode step reads on a rank: what it holds, plus with [offload] the layers it streams in
+    each step (the largest rank's)."""
+    streamed = max((r.held.get("streamed_per_step", 0) for r in reports if getattr(r, "held", None)), default=0)
+    return weight_bytes + streamed
+
+
+def backend_of(reports: list) -> str | None:
+    """The backend the ranks computed on ("numpy" / "cupy", as resolved from [runtime] backend = auto), "mixed"
+    if they differ, None when they did not report it."""
+    names = {r.held.get("backend") for r in reports if getattr(r, "held", None)} - {None}
+    return None if not names else names.pop() if len(names) == 1 else "mixed"
 
 
 def _stage_rows(reports: list, stages: int) -> list:
@@ -126,7 +168,8 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
     return {
         "config": dataclasses.asdict(config),
         "mesh": {"world": mesh.world.size, "pp": P, "dp": mesh.shape.dp, "tp": mesh.shape.tp,
-                 "ranks_per_node": mesh.ranks_per_node, "threads_per_rank": threads},
+                 "ranks_per_node": mesh.ranks_per_node, "threads_per_rank": threads,
+                 "backend": backend_of(reports)},
         "model": {"family": arch.family, "parameters": arch.param_count(), "layers": arch.num_layers,
                   "hidden": arch.hidden_size, "vocab": arch.vocab_size},
         "load_s": load_s,
@@ -140,7 +183,8 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
         "decode_steps": int(decode.size),
         "decode_step_ms": {"median": median_step * 1e3,
                            "p90": float(np.percentile(decode, 90)) * 1e3 if decode.size else float("nan")},
-        "decode_weight_bandwidth_GBps_per_rank": weight_bytes / median_step / 1e9 if decode.size else 0.0,
+        "decode_weight_bandwidth_GBps_per_rank": (decode_bytes_per_rank(weight_bytes, reports) / median_step / 1e9
+                                                  if decode.size else 0.0),
         "flop_rate_GFLOPs_per_rank": (2 * matmul_params(arch) * (prompt_tokens + generated) / mesh.world.size
                                       / generate_s / 1e9) if generate_s > 0 else 0.0,
         "pipeline": {

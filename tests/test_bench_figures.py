@@ -76,3 +76,62 @@ def test_gpu_machine_names_the_cuda_graphs_switch():
     assert "CUDA graphs" not in reasons["no fusion"]                    # fusion's missing switch only
     cpu = {n["name"]: n["reason"] for n in not_applicable({"gpus": []})}
     assert "NumPy backend" in cpu["no CUDA graphs"]
+
+
+# ------------------------------------------------------------------------ the run metrics' figures (metrics.py)
+
+def _summary(tmp_path: Path, preset: str, held: dict, decode_s=(0.5, 0.25, 0.5)) -> dict:
+    """metrics.summarize of one rank that ran 100 prompt tokens and 28 generated in 2 s on `preset`."""
+    from types import SimpleNamespace
+
+    from hpcinfer.config import load_config
+    from hpcinfer.generate.engine import StepTimes
+    from hpcinfer.metrics import summarize
+
+    config = load_config(str(_job(tmp_path, "")))
+    times = StepTimes(prefill_s=0.5, decode_s=list(decode_s), prompt_tokens=100, generated_tokens=28)
+    report = SimpleNamespace(coords=(0, 0, 0), times=times, generate_s=2.0, held=held, peak_rss_bytes=0)
+    mesh = SimpleNamespace(world=SimpleNamespace(size=1), shape=SimpleNamespace(pp=1, dp=1, tp=1),
+                           ranks_per_node=1)
+    return summarize(config, PRESETS[preset], mesh, [report], 0.1, 2.5, 1)
+
+
+def test_moe_flop_rate_counts_the_routed_experts_only(tmp_path):
+    """tiny-moe: tiny-dense's 4 layers (216,448 matmul parameters: tied embedding + layers, no position table)
+    with 8 experts of tiny-dense's MLP (2 x 64 x 256 weights + 320 biases = 33,088 each) in layers 1 and 3 and
+    top-1 routing: a token runs one expert per MoE layer, as a dense layer's MLP, plus the 8 x 64 router, so
+    217,472 parameters per token, not the 680,704 stored (3.1x). FLOP rate: 2 x 217,472 x 128 tokens / 2 s."""
+    from hpcinfer.metrics import matmul_params, stored_matmul_params
+
+    assert matmul_params(PRESETS["tiny-dense"]) == stored_matmul_params(PRESETS["tiny-dense"]) == 216_448
+    moe = PRESETS["tiny-moe"]
+    assert stored_matmul_params(moe) == 216_448 + 2 * (7 * 33_088 + 8 * 64) == 680_704
+    assert matmul_params(moe) == 216_448 + 2 * 8 * 64 == 217_472
+    # PR-MoE (residual): the dense MLP, one expert, the router and the 2-way coefficients (2 x 64 + 2) per layer
+    assert matmul_params(PRESETS["tiny-prmoe"]) == 216_448 + (33_088 + 4 * 64 + 130) + (33_088 + 8 * 64 + 130)
+    m = _summary(tmp_path, "tiny-moe", {"weights": 1000, "dequant_scratch": 0})
+    assert m["flop_rate_GFLOPs_per_rank"] == pytest.approx(2 * 217_472 * 128 / 2.0 / 1e9)
+
+
+def test_offload_bandwidth_adds_the_weights_streamed_per_step(tmp_path):
+    """A rank holding 1,000 weight bytes that streams 3,000 per step, median decode step 0.5 s: 4,000 bytes per
+    step, 8e-6 GB/s (1,000 / 0.5 without offload)."""
+    m = _summary(tmp_path, "tiny-dense", {"weights": 1000, "dequant_scratch": 0, "streamed_per_step": 3000})
+    assert m["decode_weight_bandwidth_GBps_per_rank"] == pytest.approx(4000 / 0.5 / 1e9)
+    m = _summary(tmp_path, "tiny-dense", {"weights": 1000, "dequant_scratch": 0, "streamed_per_step": 0})
+    assert m["decode_weight_bandwidth_GBps_per_rank"] == pytest.approx(1000 / 0.5 / 1e9)
+
+
+def test_the_streamed_bytes_per_step_are_the_layers_off_the_device(tmp_path):
+    """tiny-dense with 1 layer on the device, 1 in host memory and 2 on disk streams 3 layers per step, and the
+    metrics record the backend it ran on."""
+    import test_offload as base
+    from hpcinfer.metrics import held_bytes
+
+    model = base.build(base.preset("tiny-dense"), base.offload(tmp_path, weights_gpu=25, weights_cpu=25))
+    held = held_bytes(model)
+    model.weights.close()
+    assert held["streamed_per_step"] == 3 * model.weights.layer_bytes[0] > 0
+    assert held["backend"] == "numpy"
+    assert _summary(tmp_path, "tiny-dense", held)["mesh"]["backend"] == "numpy"
+    assert _summary(tmp_path, "tiny-dense", {"weights": 1, "dequant_scratch": 0})["mesh"]["backend"] is None
