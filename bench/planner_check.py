@@ -8,7 +8,9 @@
 2. Writes a GPT-2-small-shaped checkpoint (12 layers, D 768, 12 heads, vocabulary 50257; random weights from the
    preset generator, float32) and runs `hpcinfer run` on it for 1 rank, tp=1/dp=2, tp=2 and pp=2 (one BLAS
    thread per rank, so the ranks do not fight over the 2 cores), `--repeats` times each; the measured per-token
-   latency is the median decode step (metrics `decode_step_ms.median`).
+   latency is the median decode step (metrics `decode_step_ms.median`). The same for a small DeepSpeed-MoE model
+   (8 layers, D 512, 8 experts on every other layer, top-1, vocabulary 8192; 88M parameters) at 1 rank and ep = 2:
+   dp=2 flat, tp=2 flat and tp=2 pcc+hierarchical (`--only dense|moe` runs one half).
 3. Predicts the same layouts with hpcinfer.perf.step.predict on the measured hardware and writes both, with the
    error, and the scale claims (PCC, 52B MoE 8 -> 64 GPUs, the trillion-parameter MoE on 256 A100s) to
    <out>/planner-<date>.json and .md.
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -27,25 +30,31 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "out" / "planner-check"
-LAYOUTS = {"1 rank": (1, 1, 1), "tp=1 dp=2": (2, 1, 1), "tp=2": (2, 2, 1), "pp=2": (2, 1, 2)}   # n, tp, pp
+# name -> (ranks, tp, pp, all-to-all variant: None for the dense model); an MoE layout has ep = dp tp, expert_tp 1
+LAYOUTS = {"1 rank": (1, 1, 1, None), "tp=1 dp=2": (2, 1, 1, None), "tp=2": (2, 2, 1, None),
+           "pp=2": (2, 1, 2, None),
+           "MoE 1 rank": (1, 1, 1, "flat"), "MoE dp=2 ep=2 flat": (2, 1, 1, "flat"),
+           "MoE tp=2 ep=2 flat": (2, 2, 1, "flat"), "MoE tp=2 ep=2 pcc+hierarchical": (2, 2, 1, "pcc+hierarchical")}
 BATCH, PROMPT, GEN = 4, 32, 16                                   # per replica
 
 
-def _arch():
-    from hpcinfer.checkpoint.presets import _gpt2_like
+def _arch(moe: bool = False):
+    from hpcinfer.checkpoint.presets import _ds_moe, _every_other, _gpt2_like
 
+    if moe:
+        return _ds_moe(512, 8, 8, _every_other(8, 8), vocab=8192, positions=256)
     return _gpt2_like(50257, 768, 12, 12, 1024, family="gpt2")
 
 
-def write_checkpoint(path: Path) -> None:
+def write_checkpoint(path: Path, moe: bool = False) -> None:
     from hpcinfer.checkpoint.presets import PresetSource
     from hpcinfer.checkpoint.writer import CheckpointWriter
     from hpcinfer.model.arch import tensor_shapes
 
     if path.exists():
         return
-    arch = _arch()
-    source = PresetSource("planner-check-124m", arch)
+    arch = _arch(moe)
+    source = PresetSource("planner-check-moe-88m" if moe else "planner-check-124m", arch)
     with CheckpointWriter(str(path), arch, "float32") as w:
         for name in tensor_shapes(arch):
             w.add(name, source.read(name))
@@ -69,53 +78,65 @@ def measure_hardware(path: Path) -> None:
                        "p is not None and save_profile(p, sys.argv[1] + '/hardware.toml')", str(path.parent)])
 
 
-def run_layout(name: str, n: int, tp: int, pp: int, checkpoint: Path) -> dict:
+def run_layout(name: str, n: int, tp: int, pp: int, all_to_all: str | None, checkpoint: Path) -> dict:
     from hpcinfer.checkpoint.presets import write_token_prompts
 
     dp = n // (tp * pp)
-    tag = name.replace(" ", "_").replace("=", "")
-    prompts, metrics = WORK / f"prompts-{dp}.jsonl", WORK / f"metrics-{tag}.json"
-    write_token_prompts(str(prompts), BATCH * dp, PROMPT, 50257)
+    tag = name.replace(" ", "_").replace("=", "").replace("+", "-")
+    vocab = _arch(all_to_all is not None).vocab_size
+    prompts, metrics = WORK / f"prompts-{dp}-{vocab}.jsonl", WORK / f"metrics-{tag}.json"
+    write_token_prompts(str(prompts), BATCH * dp, PROMPT, vocab)
+    moe = ""
+    if all_to_all is not None:                  # MoE replicas split ONE batch in lockstep: batch_size is all of it
+        moe = f'ep = {dp * tp}\nexpert_tp = 1\n\n[moe]\nall_to_all = "{all_to_all}"\n\n'
+    batch_size = BATCH * dp if all_to_all is not None else BATCH
     config = WORK / f"{tag}.toml"
-    config.write_text(f'[model]\ncheckpoint = "{checkpoint}"\n\n[parallel]\ntp = {tp}\npp = {pp}\n\n'
+    config.write_text(f'[model]\ncheckpoint = "{checkpoint}"\n\n[parallel]\ntp = {tp}\npp = {pp}\n{moe}\n'
                       f'[schedule]\nprompt_micro_batches = {pp}\ngen_micro_batches = {pp}\n\n'
                       f'[runtime]\nbackend = "numpy"\nthreads = 1\n\n'
                       f'[generate]\nprompts = "{prompts}"\noutput = "{WORK / ("out-" + tag + ".jsonl")}"\n'
-                      f'max_new_tokens = {GEN}\nbatch_size = {BATCH}\nignore_eos = true\nmetrics = "{metrics}"\n')
+                      f'max_new_tokens = {GEN}\nbatch_size = {batch_size}\nignore_eos = true\n'
+                      f'metrics = "{metrics}"\n')
     for stale in WORK.glob(f"out-{tag}.jsonl*"):                    # a finished output would be resumed, not rerun
         stale.unlink()
     _mpiexec(n, ["-m", "hpcinfer", "run", str(config)])
     return json.loads(metrics.read_text())
 
 
-def predict_layout(n: int, tp: int, pp: int, hw) -> dict:
+def predict_layout(n: int, tp: int, pp: int, all_to_all: str | None, hw) -> dict:
     from hpcinfer.perf.layout import Layout, layout_problem
     from hpcinfer.perf.memory import rank_memory
     from hpcinfer.perf.step import Workload, predict
 
-    dp = n // (tp * pp)
+    dp, arch = n // (tp * pp), _arch(all_to_all is not None)
     layout = Layout(tp=tp, pp=pp, dp=dp, prompt_micro_batches=pp, gen_micro_batches=pp, ranks_per_node=n)
-    assert layout_problem(_arch(), layout, BATCH) is None
+    if all_to_all is not None:
+        layout = dataclasses.replace(layout, ep=dp * tp, all_to_all=all_to_all)
+    assert layout_problem(arch, layout, BATCH) is None
     work = Workload(BATCH * dp, PROMPT, GEN, "float32")
-    p = predict(_arch(), layout, work, hw)
-    return {"token_ms": p.token_s * 1e3, "prompt_ms": p.prompt_s * 1e3, "compute_ms": p.stage_compute_s * 1e3,
-            "comm_ms": p.stage_comm_s * 1e3, "memory_bytes": rank_memory(_arch(), layout, work)}
+    p = predict(arch, layout, work, hw)
+    return {"layout": layout.label(all_to_all is not None), "token_ms": p.token_s * 1e3,
+            "prompt_ms": p.prompt_s * 1e3, "compute_ms": p.stage_compute_s * 1e3,
+            "comm_ms": p.stage_comm_s * 1e3, "memory_bytes": rank_memory(arch, layout, work)}
 
 
-def validate(repeats: int) -> dict:
+def validate(repeats: int, only: str | None = None) -> dict:
     from hpcinfer.offload.profile import load_profile
 
     WORK.mkdir(parents=True, exist_ok=True)
-    checkpoint = WORK / "gpt2-124m-random.h5"
-    write_checkpoint(checkpoint)
+    checkpoints = {False: WORK / "gpt2-124m-random.h5", True: WORK / "ds-moe-88m-random.h5"}
     measure_hardware(WORK / "hardware.toml")
     hw = load_profile(str(WORK / "hardware.toml"))
     rows = {}
-    for name, (n, tp, pp) in LAYOUTS.items():
-        runs = [run_layout(name, n, tp, pp, checkpoint) for _ in range(repeats)]
+    for name, (n, tp, pp, all_to_all) in LAYOUTS.items():
+        moe = all_to_all is not None
+        if only is not None and moe != (only == "moe"):
+            continue
+        write_checkpoint(checkpoints[moe], moe)
+        runs = [run_layout(name, n, tp, pp, all_to_all, checkpoints[moe]) for _ in range(repeats)]
         measured = statistics.median(r["decode_step_ms"]["median"] for r in runs)
-        predicted = predict_layout(n, tp, pp, hw)
-        rows[name] = {"ranks": n, "tp": tp, "pp": pp, "measured_token_ms": measured,
+        predicted = predict_layout(n, tp, pp, all_to_all, hw)
+        rows[name] = {"ranks": n, "tp": tp, "pp": pp, "all_to_all": all_to_all, "measured_token_ms": measured,
                       "measured_runs_ms": [r["decode_step_ms"]["median"] for r in runs],
                       "weight_GBps_per_rank": statistics.median(r["decode_weight_bandwidth_GBps_per_rank"]
                                                                 for r in runs),
@@ -162,7 +183,8 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     rows = result["validation"]["layouts"]
     for name, row in rows.items():
-        p, one = row["predicted"], rows["1 rank"]
+        p = row["predicted"]
+        one = rows["MoE 1 rank" if row.get("all_to_all") else "1 rank"]
         lines.append(f"| {name} | {row['measured_token_ms']:.1f} | {p['token_ms']:.1f} | {row['error']:+.0%} | "
                      f"{p['compute_ms']:.1f} / {p['comm_ms']:.3f} | "
                      f"{row['measured_token_ms'] / one['measured_token_ms']:.2f} | "
@@ -194,10 +216,13 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale-only", action="store_true", help="skip the measurements (model numbers only)")
+    parser.add_argument("--only", choices=("dense", "moe"), default=None,
+                        help="measure only the dense (GPT-2-small) or only the MoE layouts")
     args = parser.parse_args()
     date = _dt.date.today().isoformat()
     result = {"date": date, "scale": scale_claims()}
-    result["validation"] = {"loadavg": os.getloadavg(), "layouts": {}} if args.scale_only else validate(args.repeats)
+    result["validation"] = ({"loadavg": os.getloadavg(), "layouts": {}} if args.scale_only
+                            else validate(args.repeats, args.only))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"planner-{date}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
