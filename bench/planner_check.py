@@ -178,14 +178,15 @@ def scale_claims() -> dict:
 def markdown(result: dict) -> str:
     lines = [f"# Planner check, {result['date']}", "", f"Load average during the run: "
              f"{', '.join(f'{x:.2f}' for x in result['validation']['loadavg'])} (2 cores, shared with other jobs)",
-             "", "| layout | measured token ms | predicted token ms | error | predicted compute / comm ms | "
-             "measured / 1 rank | predicted / 1 rank | achieved weight GB/s a rank |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| layout | mesh (ep, expert_tp, all-to-all for MoE) | measured token ms | predicted token ms | error | "
+             "predicted compute / comm ms | measured / 1 rank | predicted / 1 rank | achieved weight GB/s a rank |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rows = result["validation"]["layouts"]
     for name, row in rows.items():
         p = row["predicted"]
         one = rows["MoE 1 rank" if row.get("all_to_all") else "1 rank"]
-        lines.append(f"| {name} | {row['measured_token_ms']:.1f} | {p['token_ms']:.1f} | {row['error']:+.0%} | "
+        lines.append(f"| {name} | {p.get('layout', '')} | {row['measured_token_ms']:.1f} | {p['token_ms']:.1f} | "
+                     f"{row['error']:+.0%} | "
                      f"{p['compute_ms']:.1f} / {p['comm_ms']:.3f} | "
                      f"{row['measured_token_ms'] / one['measured_token_ms']:.2f} | "
                      f"{p['token_ms'] / one['predicted']['token_ms']:.2f} | {row.get('weight_GBps_per_rank', 0):.2f} |")
