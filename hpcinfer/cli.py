@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .errors import HpcinferError
+from .quant.formats import LOAD_MODES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("output", help="output .h5 file")
     convert.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                          help="storage dtype (default float32)")
-    convert.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "asym8"],
+    convert.add_argument("--quantize", default="none", choices=LOAD_MODES,
                          help="store the matrices quantized: int8 (symmetric per output channel), int4 / asym8 "
                               "(group-wise asymmetric 4 / 8 bits) (docs/quantization.md; default none)")
     convert.add_argument("--group-size", type=int, default=64, help="int4 / asym8 group size along the input "
@@ -73,7 +74,7 @@ def _offload_parsers(sub) -> None:
                            "a100-40gb-pcie4, h100-80gb); default: measure this machine")
     plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                       help="weight and cache dtype (default: the checkpoint's; float32 for a preset)")
-    plan.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "asym8"],
+    plan.add_argument("--quantize", default="none", choices=LOAD_MODES,
                       help="plan for weights quantized at load ([model] quantize; a quantized checkpoint is "
                            "counted as stored): the quantized bytes are what moves")
     plan.add_argument("--quantize-group", type=int, default=64, help="int4 / asym8 group size (default 64)")
@@ -90,6 +91,9 @@ def _offload_parsers(sub) -> None:
                       help="hold one placement percentage (repeatable), e.g. --fix cache_gpu=100 --fix act_gpu=100 "
                            "(ZeRO-Inference's placement); the LP places the rest")
     plan.add_argument("--candidates", type=int, default=10, help="rows of the candidates table (default 10)")
+    plan.add_argument("--disk-dir", default=None, help="directory of the disk tier: printed as [offload] disk_dir "
+                      "when the plan puts weights on disk, and measured when there is no --profile (default: the "
+                      "system temp dir)")
     _layout_plan_arguments(plan)
     for parser in (profile, plan):
         parser.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto",
@@ -456,8 +460,12 @@ def _plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of=
         f"# bottleneck: {best.bottleneck}",
         "# peak memory: " + ", ".join(f"{tier} {human_bytes(best.peak[tier])} of {human_bytes(best.budget[tier])}"
                                       for tier in TIERS),
-        policy.to_toml_section(profile.device_memory, profile.host_memory).rstrip("\n"),
+        policy.to_toml_section(profile.device_memory, profile.host_memory, _disk_dir(args), arch.num_layers,
+                               args.gen_len, _profile_key(args)).rstrip("\n"),
     ]
+    if args.profile is None:
+        lines.insert(-1, "# no --profile: keep this machine's with `hpcinfer profile --out machine.toml` and set "
+                         "[offload] profile = \"machine.toml\" for the run's predicted-vs-measured line")
     shown = candidates[:max(args.candidates, 0)]
     if shown:
         lines += ["", f"# candidates (the {len(shown)} fastest of {len(candidates)} feasible block shapes):",
@@ -472,6 +480,17 @@ def _plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of=
                 f"{pred.throughput:>8.3g}  {pred.latency_s:>9.4g}  "
                 + "  ".join(f"{human_bytes(pred.peak[t]):>9}" for t in TIERS))
     return "\n".join(lines)
+
+
+def _profile_key(args) -> str | None:
+    """`--profile` as `[offload] profile` takes it: a preset's name, or the file's absolute path."""
+    import os
+
+    from .offload.profile import PRESETS
+
+    if args.profile is None or args.profile in PRESETS:
+        return args.profile
+    return os.path.abspath(args.profile)
 
 
 def _triple(gpu: float, cpu: float, disk: float) -> str:

@@ -75,6 +75,7 @@ from .budget import ACT_ITEMSIZE, device_rows
 from .policy import Policy
 from .sizes import kv_token_bytes, layer_bytes, table_bytes
 from .profile import HardwareProfile
+from .tiers import place_layers
 
 VARIABLES = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 LINKS = ("compute", "host_to_device", "device_to_host", "disk_to_host", "host_to_disk")
@@ -116,9 +117,11 @@ class ModelSizes:
     layer_weight_bytes: float    # W: weights of the average decoder layer (what streams)
     total_weight_bytes: int      # every weight: the layers and the embedding tables
     table_bytes: int             # token and position tables, final norm, LM head: always on the device
-    kv_bytes: int                # K and V of one token in one layer (at the dtype, or the KV format's bytes)
+    kv_bytes: int                # K and V of one token in one layer as the runtime holds them: float32 rows
+                                 # whatever the weights' dtype (generate/kv_cache.py, both backends), or the KV
+                                 # format's bytes (sizes.kv_token_bytes, the budget check's rule)
     act_bytes: int               # one token's hidden state, float32 as the runtime computes it (budget.ACT_ITEMSIZE)
-    query_bytes: int             # one token's query (= its attention output)
+    query_bytes: int             # one token's query (= its attention output), float32 likewise
     query_width: int             # H * hd
     heads: int
     flops_per_token: float       # f: matmul FLOPs of one token through the average layer
@@ -127,12 +130,14 @@ class ModelSizes:
     vocab: int
     itemsize: int
     kv_heads: int = 1            # Hkv: a GPU batch's cache is b Hkv rows (sequence, KV head) per layer
+    layers: tuple = ()           # bytes of each decoder layer (the exact peak places whole layers: tiers.place_layers)
 
     @classmethod
     def of(cls, arch: ModelArch, dtype: str = "float32", quant_of=None, kv_format=None) -> "ModelSizes":
         """Bytes as the runtime holds them on one rank (offload/sizes.py, the budget check's rule too); quant_of:
         which tensors are quantized (quant.storage.quant_of), so that the quantized bytes are what moves;
-        kv_format: the quantized KV cache's quant.kv.KVFormat (None: K and V rows at the dtype, FlexGen's)."""
+        kv_format: the quantized KV cache's quant.kv.KVFormat (None: float32 K and V rows, as the runtime allocates
+        them whatever `dtype` is; FlexGen counts its fp16 cache at the dtype, which the runtime does not hold)."""
         if dtype not in ITEMSIZE:
             raise ValueError(f"dtype must be one of {', '.join(ITEMSIZE)}, got {dtype!r}")
         isz = ITEMSIZE[dtype]
@@ -144,15 +149,16 @@ class ModelSizes:
                     numel = numel * arch.moe_top_k / shape[0]
                 layer_flops += 2.0 * numel
         L = arch.num_layers
-        layers = sum(layer_bytes(arch, i, isz, 1, quant_of) for i in range(L))
+        each = tuple(layer_bytes(arch, i, isz, 1, quant_of) for i in range(L))
+        layers = sum(each)
         tables = table_bytes(arch, True, True, isz, 1, quant_of)
         return cls(num_layers=L, layer_weight_bytes=layers / L, total_weight_bytes=layers + tables,
-                   table_bytes=tables, kv_bytes=kv_token_bytes(arch, 1, kv_format, isz),
-                   act_bytes=arch.hidden_size * ACT_ITEMSIZE, query_bytes=arch.q_size * isz,
+                   table_bytes=tables, kv_bytes=kv_token_bytes(arch, 1, kv_format),
+                   act_bytes=arch.hidden_size * ACT_ITEMSIZE, query_bytes=arch.q_size * ACT_ITEMSIZE,
                    query_width=arch.q_size, heads=arch.num_heads,
                    flops_per_token=layer_flops / L, head_flops=2.0 * arch.vocab_size * arch.hidden_size,
                    intermediate=arch.intermediate_size * (2 if arch.gated_mlp else 1), vocab=arch.vocab_size,
-                   itemsize=isz, kv_heads=arch.num_kv_heads)
+                   itemsize=isz, kv_heads=arch.num_kv_heads, layers=each)
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,19 @@ class Staging:
         return {**x, self.gpu: gpu, **rest}
 
 
+def whole_layers(x: dict, num_layers: int) -> dict:
+    """x with the weight shares rounded to whole layers exactly as the runtime places them (tiers.place_layers:
+    round(L wg) layers on the device, then round(L (wg + wc)) - that in host memory, the rest on disk)."""
+    tiers = place_layers(num_layers, round(100 * x["wg"], 9), round(100 * x["wc"], 9))
+    return {**x, "wg": tiers.count("device") / num_layers, "wc": tiers.count("host") / num_layers,
+            "wd": tiers.count("disk") / num_layers}
+
+
+def layer_tiers(x: dict, num_layers: int) -> list:
+    """The tier of each decoder layer under the weight shares of x (tiers.place_layers)."""
+    return place_layers(num_layers, round(100 * x["wg"], 9), round(100 * x["wc"], 9))
+
+
 @dataclass(frozen=True)
 class CostTerms:
     """The cost model of one (gpu_batch_size, num_gpu_batches, cpu_attention, schedule, prefetch) choice: every
@@ -206,18 +225,49 @@ class CostTerms:
     gen_len: int
     block_size: int
     staging: tuple = ()          # Staging of the cache and of the activations
+    weights: dict = field(default_factory=dict)    # tier -> Linear: the weights' part of `memory` (average layer)
+    layers: tuple = ()           # bytes of each decoder layer: the exact weights of `peak` (whole layers)
+    resident: int = 1            # streamed layers on the device at once (prefetch_layers + 1)
+    transient: dict = field(default_factory=dict)  # tier -> bytes of `peak` the runtime's budget check does not
+                                                   # count (work(b), host attention scratch; disk: see peak)
 
     def layer_time(self, terms: dict, fractions: dict) -> float:
         values = [terms[link](fractions) for link in LINKS]
         return max(values) if self.overlap else sum(values)
 
-    def peak(self, fractions: dict) -> dict:
-        """Peak bytes per tier exactly as the runtime holds them: whole rows per GPU batch, and the staging
-        buffers of each part with any row off the device."""
-        x = fractions
+    def uncounted(self, fractions: dict) -> dict:
+        """tier -> bytes of `peak` that budget.plan_bytes does not count: `transient`, and on the host the streaming
+        window of disk layers (`resident` copies of the largest). peak - uncounted is the runtime's plan."""
+        x = self.placed(fractions)
+        disk = [b for b, t in zip(self.layers, layer_tiers(x, self.num_layers)) if t == "disk"]
+        out = {tier: self.transient.get(tier, 0) for tier in TIERS}
+        out["host"] += self.resident * max(disk, default=0)
+        return out
+
+    def placed(self, fractions: dict) -> dict:
+        """The fractions as the runtime holds them: weights in whole layers (tiers.place_layers), the cache and
+        the activations in whole rows per GPU batch (budget.device_rows)."""
+        x = whole_layers(fractions, self.num_layers)
         for part in self.staging:
             x = part.whole_rows(x)
+        return x
+
+    def peak(self, fractions: dict) -> dict:
+        """Peak bytes per tier exactly as the runtime holds them: whole layers (their own bytes: the first
+        round(L wg) layers resident, a window of `resident` copies of the largest streamed layer), whole rows per
+        GPU batch, and the staging buffers of each part with any row off the device. The device and host figures
+        are budget.plan_bytes' plus `transient` (budget.check_budgets does not count it); the host's includes the
+        `resident` largest disk layers staged through host memory (transient too)."""
+        x = self.placed(fractions)
         peak = {tier: self.memory[tier](x) for tier in TIERS}
+        if self.layers and self.weights:
+            tiers = layer_tiers(x, self.num_layers)
+            on = lambda tier: [b for b, t in zip(self.layers, tiers) if t == tier]
+            streamed, disk = on("host") + on("disk"), on("disk")
+            exact = {"device": sum(on("device")) + self.resident * max(streamed, default=0),
+                     "host": sum(on("host")) + self.resident * max(disk, default=0), "disk": sum(disk)}
+            for tier in TIERS:
+                peak[tier] += exact[tier] - self.weights[tier](x)
         peak["device"] += sum(part.buffers for part in self.staging if part.staged(x))
         return peak
 
@@ -272,7 +322,7 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return all(self.peak[t] <= self.budget[t] * (1 + 1e-6) + 1 for t in TIERS)    # the LP's tolerance
+        return all(self.peak[t] <= self.budget[t] + 0.5 for t in TIERS)     # the runtime: whole bytes, no slack
 
     @property
     def bottleneck(self) -> str:
@@ -338,12 +388,18 @@ class CostModel:
                                 cd=Cg / hw.disk_to_host),
             "host_to_disk": lin(cd=Cn / hw.host_to_disk, hd=Ag / hw.host_to_disk),
         }
-        memory, staging = self._memory(b, k, cpu_attention, prefetch_layers, schedule)
-        return CostTerms(prefill=prefill, decode=decode, memory=memory, overlap=prefetch_layers >= 1,
-                         num_layers=L, gen_len=n, block_size=B, staging=staging)
+        memory, staging, weights, transient = self._memory(b, k, cpu_attention, prefetch_layers, schedule)
+        # Overlap needs both a prefetch window and a machine whose transfers run beside its compute (a GPU's copy
+        # engine); on the NumPy backend a transfer is a memcpy on the compute cores and the KV / activation
+        # copies are synchronous, so the terms add (HardwareProfile.overlap False).
+        return CostTerms(prefill=prefill, decode=decode, memory=memory,
+                         overlap=prefetch_layers >= 1 and hw.overlap, num_layers=L, gen_len=n, block_size=B,
+                         staging=staging, weights=weights, layers=z.layers, resident=prefetch_layers + 1,
+                         transient=transient)
 
     def _memory(self, b: int, k: int, cpu_attention: bool, prefetch_layers: int, schedule: str) -> tuple:
-        """(tier -> Linear peak bytes without the staging buffers, (the cache's and the activations' Staging))."""
+        """(tier -> Linear peak bytes without the staging buffers, (the cache's and the activations' Staging),
+        tier -> Linear: the weights' part of the peak, tier -> bytes the runtime's budget does not count)."""
         z, s, n = self.sizes, self.prompt_len, self.gen_len
         L, W = z.num_layers, z.layer_weight_bytes
         groups = 1 if schedule == "row" else k                      # row: one GPU batch's cache and activations
@@ -353,19 +409,23 @@ class CostModel:
         batch_act = 2 * b * s * z.act_bytes                         # two staging buffers [b s, D] (zigzag.py)
         batch_cache = 2 * b * (s + n) * z.kv_bytes                  # two of one layer's b Hkv rows (HostKV)
         qkv = b * s * (2 * z.act_bytes + z.query_bytes + z.kv_bytes)
-        widest = b * max(z.heads * s * s, s * z.intermediate) * z.itemsize
+        widest = b * max(z.heads * s * s, s * z.intermediate) * ACT_ITEMSIZE    # float32, as computed
         work = qkv + widest + b * z.vocab * 4                       # + float32 logits of the GPU batch
         scores = b * z.heads * (s + n) * 4 if cpu_attention else 0  # host attention scratch (float32)
         lin = Linear.of
-        device = lin(z.table_bytes + W * resident + work, wg=Wt - W * resident, cg=KV, hg=A)
-        host = lin(scores, wc=Wt, wd=W * resident, cc=KV, cd=batch_cache, hc=A, hd=batch_act)
-        disk = lin(wd=Wt, cd=KV, hd=A)
+        Wmax = max(z.layers, default=W)                             # the streaming window holds the largest
+        weights = {"device": lin(Wmax * resident, wg=Wt - Wmax * resident), "host": lin(wc=Wt, wd=Wmax * resident),
+                   "disk": lin(wd=Wt)}
+        device = weights["device"] + lin(z.table_bytes + work, cg=KV, hg=A)
+        host = weights["host"] + lin(scores, cc=KV, cd=batch_cache, hc=A, hd=batch_act)
+        disk = weights["disk"] + lin(cd=KV, hd=A)
         staging = (Staging("cache", "cg", ("cc", "cd"), rows=b * z.kv_heads, groups=groups,
                            row_bytes=(s + n) * z.kv_bytes * L / z.kv_heads,
                            buffers=0.0 if cpu_attention else batch_cache),
                    Staging("act", "hg", ("hc", "hd"), rows=b * s, groups=groups, row_bytes=z.act_bytes,
                            buffers=batch_act))
-        return {"device": device, "host": host, "disk": disk}, staging
+        transient = {"device": work, "host": scores, "disk": 0}
+        return {"device": device, "host": host, "disk": disk}, staging, weights, transient
 
     def predict(self, policy: Policy) -> Prediction:
         """Time, throughput, latency and peak memory per tier of running one block under `policy`."""
@@ -375,7 +435,9 @@ class CostModel:
 
 
 def evaluate(terms: CostTerms, policy: Policy, profile: HardwareProfile) -> Prediction:
-    x = policy.fractions()
+    """The prediction for `policy` as the runtime holds it: its weights in whole layers (tiers.place_layers) for
+    the times and the peaks alike, its cache and activations in whole rows for the peaks."""
+    x = whole_layers(policy.fractions(), terms.num_layers)
     L, n = terms.num_layers, terms.gen_len
     return Prediction(
         policy=policy,

@@ -29,9 +29,10 @@ from scipy.optimize import linprog
 
 from ..errors import ConfigError
 from ..model.arch import ModelArch
-from .cost_model import LINKS, TIERS, VARIABLES, CostModel, CostTerms, Prediction, evaluate
+from .cost_model import LINKS, TIERS, VARIABLES, CostModel, CostTerms, Prediction, evaluate, whole_layers
 from .policy import Policy, human_bytes
 from .profile import HardwareProfile
+from .tiers import place_layers
 
 NV = len(VARIABLES)                       # the nine fractions; then T_pre, T_gen
 GROUPS = ((0, 1, 2), (3, 4, 5), (6, 7, 8))   # weights, cache, activations: (gpu, cpu, disk)
@@ -61,8 +62,8 @@ def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_si
     Raises PlacementError naming the tier that does not fit, or max_latency when only the latency does not.
     """
     model = CostModel(arch, prompt_len, gen_len, profile, dtype, quant_of, kv_format)
-    bounds = _bounds(fixed or {}, schedule)
-    best, first_error = None, None
+    bounds = _whole_layer_bounds(_bounds(fixed or {}, schedule), arch.num_layers)
+    best, first_error, unplaced = None, None, None
     for cpu in _cpu_choices(cpu_attention, schedule):
         terms = model.terms(gpu_batch_size, num_gpu_batches, cpu, schedule, prefetch_layers)
         problems = [_case_problem(terms, profile, staged, case_bounds)
@@ -72,16 +73,41 @@ def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_si
             x = problem.solve(max_latency)
             if x is None:
                 continue
-            policy = _rounded_policy(x, problem, max_latency, gpu_batch_size, num_gpu_batches, cpu, schedule,
-                                     prefetch_layers)
+            policy = _placed_policy(x, problem, max_latency, gpu_batch_size, num_gpu_batches, cpu, schedule,
+                                    prefetch_layers)
+            if policy is None:
+                unplaced = unplaced or _unplaced_error(x, problem, gpu_batch_size, num_gpu_batches, cpu, schedule,
+                                                       prefetch_layers)
+                continue
             prediction = evaluate(problem.terms, policy, profile)
             if best is None or prediction.total_s < best[1].total_s * (1 - 1e-9):
                 best = (policy, prediction)
-        if best is None and first_error is None:
+        if best is None and first_error is None and unplaced is None:
             first_error = _diagnose(problems, max_latency, gpu_batch_size, num_gpu_batches)
     if best is None:
-        raise first_error
+        raise first_error or unplaced
     return best
+
+
+def _unplaced_error(x: np.ndarray, problem: "_Problem", b: int, k: int, cpu_attention: bool, schedule: str,
+                    prefetch_layers: int) -> PlacementError:
+    """The LP fits with a fraction of a layer, but no whole-layer placement near it does: name the tier the
+    nearest one overflows."""
+    L = problem.terms.num_layers
+    counts = _layer_splits(x, L)[0]
+    g, c = _weight_percents(counts, L)
+    policy = Policy(gpu_batch_size=b, num_gpu_batches=k, weights_gpu=_tidy(g), weights_cpu=_tidy(c),
+                    cache_gpu=_tidy(100 * x[3]), cache_cpu=_tidy(min(100 * x[4], 100 - 100 * x[3])),
+                    act_gpu=_tidy(100 * x[6]), act_cpu=_tidy(min(100 * x[7], 100 - 100 * x[6])),
+                    cpu_attention=cpu_attention, prefetch_layers=prefetch_layers, schedule=schedule)
+    pred = evaluate(problem.terms, policy, problem.profile)
+    over = [t for t in TIERS if pred.peak[t] > pred.budget[t] + 0.5] or ["max_latency"]
+    tier = over[0]
+    what = f"needs {human_bytes(pred.peak[tier])} but {BUDGET_KEYS[tier]} is {human_bytes(pred.budget[tier])}" \
+        if tier in BUDGET_KEYS else "misses max_latency"
+    return PlacementError(f"does not fit in whole layers: gpu_batch_size={b} x num_gpu_batches={k} (block "
+                          f"{b * k}) fits only with part of a layer on a tier (the runtime places whole layers); "
+                          f"{counts[0]}/{counts[1]}/{counts[2]} layers on device/host/disk {what}", tier)
 
 
 def search_policy(arch: ModelArch, prompt_len: int, gen_len: int, profile: HardwareProfile,
@@ -152,6 +178,27 @@ def _bounds(fixed: dict, schedule: str = "zigzag") -> list:
         i = VARIABLES.index(FIXABLE[key])
         bounds[i] = (percent / 100, percent / 100)
     return bounds
+
+
+def _whole_layer_bounds(bounds: list, num_layers: int) -> list:
+    """Pinned weight shares (--fix) moved to the whole layers the runtime would place for them
+    (tiers.place_layers), so that the LP plans what runs."""
+    L, (g, c, d) = num_layers, GROUPS[0]
+    pinned = lambda i: bounds[i][0] == bounds[i][1]
+    out = list(bounds)
+    if pinned(g):
+        n = place_layers(L, round(100 * bounds[g][0], 9), 0).count("device") / L
+        out[g] = (n, n)
+    if pinned(c):
+        if pinned(g):
+            n = place_layers(L, round(100 * bounds[g][0], 9), round(100 * bounds[c][0], 9)).count("host") / L
+        else:
+            n = round(L * bounds[c][0]) / L
+        out[c] = (n, n)
+    if pinned(d):
+        n = round(L * bounds[d][0]) / L
+        out[d] = (n, n)
+    return out
 
 
 def _cpu_choices(cpu_attention: bool | None, schedule: str) -> tuple:
@@ -332,14 +379,83 @@ def _clean(x: np.ndarray) -> np.ndarray:
     return x
 
 
-# ---- rounding to printable percentages -------------------------------------------------------------------------
+# ---- rounding to what the runtime holds and printable percentages ------------------------------------------------
+
+def _placed_policy(x: np.ndarray, problem: _Problem, max_latency: float | None, b: int, k: int,
+                   cpu_attention: bool, schedule: str, prefetch_layers: int) -> Policy | None:
+    """The LP's fractions as a policy the runtime runs: the weights in whole layers (tiers.place_layers), checked
+    against the budgets with the exact peak (CostTerms.peak: whole layers, whole rows, staging buffers). When no
+    whole-layer split near the LP's fits with its cache and activations, the LP is solved again with the weights
+    pinned to each split (the cache and activations free to give way). None: no whole-layer placement of this
+    staging case fits."""
+    policy = _rounded_policy(x, problem, max_latency, b, k, cpu_attention, schedule, prefetch_layers)
+    if policy is not None:
+        return policy
+    L, best = problem.terms.num_layers, None
+    for counts in _layer_splits(x, L):
+        bounds = list(problem.bounds)
+        for i, n in zip(GROUPS[0], counts):
+            if problem.bounds[i][0] <= n / L <= problem.bounds[i][1]:
+                bounds[i] = (n / L, n / L)
+        pinned = _Problem(problem.terms, problem.profile, bounds, problem.memory)
+        y = pinned.solve(max_latency)
+        if y is None:
+            continue
+        policy = _rounded_policy(y, pinned, max_latency, b, k, cpu_attention, schedule, prefetch_layers)
+        if policy is not None:
+            time = evaluate(problem.terms, policy, problem.profile).total_s
+            if best is None or time < best[0] * (1 - 1e-9):
+                best = (time, policy)
+    return None if best is None else best[1]
+
+
+def _layer_splits(x: np.ndarray, num_layers: int) -> list:
+    """Whole-layer (device, host, disk) counts near the LP's weight shares, the nearest first (largest remainder):
+    the device count and the device + host count each rounded up, down, or one further down (a layer moved to the
+    next tier down when the rounding does not fit)."""
+    L = num_layers
+    g, gc = float(x[GROUPS[0][0]]) * L, float(x[GROUPS[0][0]] + x[GROUPS[0][1]]) * L
+    near = lambda v: (math.ceil(v - 1e-9), math.floor(v + 1e-9), math.floor(v + 1e-9) - 1)
+    splits = [_nearest(tuple(float(x[i]) * L for i in GROUPS[0]), L)]
+    for n_dev in near(g):
+        for n_cum in near(gc):
+            counts = (n_dev, n_cum - n_dev, L - n_cum)
+            if 0 <= n_dev <= n_cum <= L and counts not in splits:
+                splits.append(counts)
+    return splits
+
+
+def _layer_percent(count: int, num_layers: int) -> float:
+    """A percentage that places `count` of `num_layers` layers (round(L p / 100) == count, tiers.place_layers):
+    the whole percent nearest count / L, else count / L to 2 decimals, else exact."""
+    exact = 100 * count / num_layers
+    for p in sorted(range(101), key=lambda p: (abs(p - exact), p))[:3]:
+        if round(num_layers * p / 100) == count:
+            return p
+    p = round(exact, 2)
+    return p if round(num_layers * p / 100) == count else exact
+
+
+def _weight_percents(counts: tuple, num_layers: int) -> tuple:
+    """(weights_gpu, weights_cpu) that tiers.place_layers turns back into `counts` (device, host, disk) layers."""
+    g = _layer_percent(counts[0], num_layers)
+    gc = _layer_percent(counts[0] + counts[1], num_layers)
+    c = round(gc - g, 9)
+    tiers = place_layers(num_layers, g, c)
+    if (tiers.count("device"), tiers.count("host")) != counts[:2]:           # float noise in gc - g: exact shares
+        g, c = 100 * counts[0] / num_layers, 100 * counts[1] / num_layers
+    return g, c
+
 
 def _rounded_policy(x: np.ndarray, problem: _Problem, max_latency: float | None, b: int, k: int,
-                    cpu_attention: bool, schedule: str, prefetch_layers: int) -> Policy:
-    """Round percentages as coarsely as still fits (and meets max_latency): whole percent, else 0.1, else 0.01.
-    At each unit: the nearest (largest remainder); else the device shares rounded down (the host takes the
-    difference); else the device and host shares rounded down (the disk takes it). Else the exact shares."""
-    exact = [tuple(100.0 * float(x[i]) for i in group) for group in GROUPS]
+                    cpu_attention: bool, schedule: str, prefetch_layers: int) -> Policy | None:
+    """The weights in whole layers (each split of _layer_splits), the cache and activation percentages as coarsely
+    as still fits (and meets max_latency): whole percent, else 0.1, else 0.01, else exact. At each unit: the
+    nearest (largest remainder); else the device shares rounded down (the host takes the difference); else the
+    device and host shares rounded down (the disk takes it). None when nothing fits."""
+    L = problem.terms.num_layers
+    splits = [_weight_percents(counts, L) for counts in _layer_splits(x, L)]
+    exact = [tuple(100.0 * float(x[i]) for i in group) for group in GROUPS[1:]]
     tries = [(rule, unit) for unit in (1.0, 0.1, 0.01) for rule in (_nearest, _floor_gpu, _floor_gpu_cpu)]
     for rule, unit in tries + [(None, None)]:
         if rule is None:                                 # exact shares: only trim float noise off the disk part
@@ -347,16 +463,21 @@ def _rounded_policy(x: np.ndarray, problem: _Problem, max_latency: float | None,
         else:
             triples = [tuple(v * unit for v in rule(tuple(p / unit for p in t), round(100 / unit)))
                        for t in exact]
-        policy = Policy(gpu_batch_size=b, num_gpu_batches=k,
-                        weights_gpu=_tidy(triples[0][0]), weights_cpu=_tidy(triples[0][1]),
-                        cache_gpu=_tidy(triples[1][0]), cache_cpu=_tidy(triples[1][1]),
-                        act_gpu=_tidy(triples[2][0]), act_cpu=_tidy(triples[2][1]),
-                        cpu_attention=cpu_attention, prefetch_layers=prefetch_layers, schedule=schedule)
-        prediction = evaluate(problem.terms, policy, problem.profile)
-        if rule is None or _keeps(policy, problem.bounds) and prediction.fits and (
-                max_latency is None or prediction.total_s <= max_latency):
-            return policy
-    raise AssertionError("unreachable")
+        best = None
+        for weights_gpu, weights_cpu in splits:                  # the fastest split that fits (the nearest on a tie)
+            policy = Policy(gpu_batch_size=b, num_gpu_batches=k,
+                            weights_gpu=_tidy(weights_gpu), weights_cpu=_tidy(weights_cpu),
+                            cache_gpu=_tidy(triples[0][0]), cache_cpu=_tidy(triples[0][1]),
+                            act_gpu=_tidy(triples[1][0]), act_cpu=_tidy(triples[1][1]),
+                            cpu_attention=cpu_attention, prefetch_layers=prefetch_layers, schedule=schedule)
+            prediction = evaluate(problem.terms, policy, problem.profile)
+            if _keeps(policy, problem.bounds, L) and prediction.fits and (
+                    max_latency is None or prediction.total_s <= max_latency) and (
+                    best is None or prediction.total_s < best[0] * (1 - 1e-9)):
+                best = (prediction.total_s, policy)
+        if best is not None:
+            return best[1]
+    return None
 
 
 def _tidy(percent: float) -> float:
@@ -365,9 +486,9 @@ def _tidy(percent: float) -> float:
     return int(value) if value == int(value) else value
 
 
-def _keeps(policy: Policy, bounds: list) -> bool:
-    """The rounded policy still holds every pinned fraction."""
-    x = policy.fractions()
+def _keeps(policy: Policy, bounds: list, num_layers: int) -> bool:
+    """The rounded policy still holds every pinned fraction (the weights' as the layers it places)."""
+    x = whole_layers(policy.fractions(), num_layers)
     return all(lo != hi or abs(x[v] - lo) < 1e-9 for v, (lo, hi) in zip(VARIABLES, bounds))
 
 

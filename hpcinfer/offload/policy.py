@@ -80,14 +80,29 @@ class Policy:
 
     # -- output --
 
-    def to_toml_section(self, device_memory: int | None = None, host_memory: int | None = None) -> str:
-        """The policy as an `[offload]` TOML section (budgets in bytes, when known)."""
+    def to_toml_section(self, device_memory: int | None = None, host_memory: int | None = None,
+                        disk_dir: str | None = None, num_layers: int | None = None,
+                        gen_len: int | None = None, profile: str | None = None) -> str:
+        """The policy as an `[offload]` TOML section (budgets in bytes, when known) and the `[generate]` keys it
+        was planned for (batch_size = the block; max_new_tokens = gen_len, which sizes the KV cache), ready to
+        paste. disk_dir: printed when any weight is on disk (the config requires it then). num_layers: the
+        weights' comments say how many whole layers each tier holds (tiers.place_layers). profile: the profile the
+        plan was made with (a preset or a file), printed so that the run reports predicted against measured."""
+        layers = {}
+        if num_layers:
+            from .tiers import place_layers
+
+            tiers = place_layers(num_layers, self.weights_gpu, self.weights_cpu)
+            layers = {t: f"{tiers.count(t)} of {num_layers} layers" for t in ("device", "host", "disk")}
+        on = lambda tier: f"  # {layers[tier]}" if layers else ""
         lines = ["[offload]",
                  f'schedule = "{self.schedule}"',
                  f"gpu_batch_size = {self.gpu_batch_size}",
                  f"num_gpu_batches = {self.num_gpu_batches}            # block size {self.block_size}",
-                 f"weights_gpu = {_num(self.weights_gpu)}",
-                 f"weights_cpu = {_num(self.weights_cpu)}                # disk: {_num(self.weights_disk)}",
+                 f"weights_gpu = {_num(self.weights_gpu)}" + on("device"),
+                 f"weights_cpu = {_num(self.weights_cpu)}" + (f"  # {layers['host']}; disk: {_num(self.weights_disk)}"
+                                                              f" ({layers['disk']})" if layers else
+                                                              f"                # disk: {_num(self.weights_disk)}"),
                  f"cache_gpu = {_num(self.cache_gpu)}",
                  f"cache_cpu = {_num(self.cache_cpu)}                  # disk: {_num(self.cache_disk)}",
                  f"act_gpu = {_num(self.act_gpu)}",
@@ -97,7 +112,19 @@ class Policy:
         for key, value in (("device_memory", device_memory), ("host_memory", host_memory)):
             if value is not None:
                 lines.append(f"{key} = {int(value)}          # {human_bytes(value)}")
+        if disk_dir is not None and self.weights_disk > 0:
+            lines.append(f"disk_dir = {_toml_string(disk_dir)}  # where the disk layers are written")
+        if profile is not None:
+            lines.append(f"profile = {_toml_string(profile)}  # the run reports predicted vs measured time")
+        lines += ["", "[generate]", f"batch_size = {self.block_size}  # the block: gpu_batch_size x num_gpu_batches"]
+        if gen_len is not None:
+            lines.append(f"max_new_tokens = {gen_len}  # the plan's --gen-len: the KV cache is sized for it")
         return "\n".join(_align_comments(lines)) + "\n"
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _num(value: float) -> str:
@@ -108,7 +135,8 @@ def _num(value: float) -> str:
 
 def _align_comments(lines: list[str]) -> list[str]:
     """Put every `# comment` of the section in one column."""
-    split = [line.split("#", 1) if " # " in line or "  #" in line else [line] for line in lines]
+    split = [line.split("  #", 1) if "  #" in line else line.split(" # ", 1) if " # " in line else [line]
+             for line in lines]
     width = max((len(parts[0].rstrip()) for parts in split if len(parts) == 2), default=0)
     return [parts[0] if len(parts) == 1 else f"{parts[0].rstrip():<{width}}  #{parts[1]}" for parts in split]
 

@@ -43,6 +43,10 @@ class HardwareProfile:
     host_flops: float            # FLOP/s of a large matmul on the host (cpu_flops)
     device_bandwidth: float      # bytes/s the device reads its memory at: decode attention over a device cache
     host_bandwidth: float        # bytes/s the host reads its memory at: decode attention on the host
+    overlap: bool = True         # transfers run beside compute (a GPU's copy engine and DMA): a layer costs its
+                                 # slowest term. False (a NumPy-measured profile): a "transfer" is a memcpy on the
+                                 # cores that compute, and the KV / activation copies are synchronous
+                                 # (backend/transfer.HostCopies), so a layer costs the sum of its terms
     name: str = "custom"         # preset name, or where it was measured
     notes: str = ""              # caveats of the measurement (e.g. a disk read served by the page cache)
     # The cluster (LINK_FIELDS; the offload planner ignores them): ranks per node and the two link classes.
@@ -53,6 +57,8 @@ class HardwareProfile:
     inter_node_bandwidth: float = 1e9      # B/s one rank sends to other nodes (its share of the node's network)
 
     def __post_init__(self):
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be true or false, got {self.overlap!r}")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be an integer >= 1, got {self.gpus_per_node!r}")
         for key in LINK_FIELDS[1:]:
@@ -85,6 +91,9 @@ class HardwareProfile:
             lines.append(f"notes = {_toml_string(self.notes)}")
         for key in MEMORY_FIELDS:
             lines.append(f"{key} = {getattr(self, key)}  # {human_bytes(getattr(self, key))}")
+        lines.append(f"overlap = {'true' if self.overlap else 'false'}  # " + (
+            "transfers overlap compute: a layer costs its slowest term" if self.overlap else
+            "transfers share the compute cores: a layer costs the sum of its terms"))
         for key in RATE_FIELDS:
             value = float(getattr(self, key))
             unit = "FLOP/s" if key.endswith("flops") else "B/s"
@@ -103,7 +112,7 @@ class HardwareProfile:
                 f"{_human_rate(self.disk_to_host)}B/s, host->disk {_human_rate(self.host_to_disk)}B/s; matmul "
                 f"{_human_rate(self.device_flops)}FLOP/s device, {_human_rate(self.host_flops)}FLOP/s host; "
                 f"memory {_human_rate(self.device_bandwidth)}B/s device, {_human_rate(self.host_bandwidth)}B/s "
-                f"host")
+                f"host; transfers {'overlap compute' if self.overlap else 'add to compute (shared cores)'}")
 
 
 def _human_rate(value: float) -> str:
@@ -181,6 +190,10 @@ def load_profile(path: str) -> HardwareProfile:
     for key in ("name", "notes"):
         if key in raw:
             kwargs[key] = str(raw[key])
+    if "overlap" in raw:                          # optional: files written before it was measured overlap (GPU)
+        if not isinstance(raw["overlap"], bool):
+            raise ConfigError(f"{path}: overlap = {raw['overlap']!r} is not true or false")
+        kwargs["overlap"] = raw["overlap"]
     for key in LINK_FIELDS:
         if key in raw:
             value = raw[key]
@@ -263,7 +276,8 @@ def measure(tmp_dir: str, device_memory: int | None = None, host_memory: int | N
         disk_memory=int(disk_memory if disk_memory is not None else shutil.disk_usage(tmp_dir).free),
         host_to_device=nbytes / copy_s, device_to_host=nbytes / copy_back_s,
         disk_to_host=nbytes / read_s, host_to_disk=nbytes / write_s,
-        device_flops=flops, host_flops=flops, device_bandwidth=bandwidth, host_bandwidth=bandwidth)
+        device_flops=flops, host_flops=flops, device_bandwidth=bandwidth, host_bandwidth=bandwidth,
+        overlap=False)                        # a memcpy on the cores that compute: the terms add (cost_model)
 
 
 def best_of(repeats: int, fn) -> float:
