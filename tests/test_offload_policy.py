@@ -130,6 +130,29 @@ def test_cost_model_by_hand():
     assert flat.peak["device"] == pytest.approx(TABLES + W + KV + ACT + WORK)             # 1 layer, 1 buffer
 
 
+def test_cost_model_adds_the_terms_when_transfers_share_the_compute_cores(tmp_path):
+    """A NumPy-measured profile (overlap = false): a 'transfer' is a memcpy on the cores that compute, so a layer
+    costs the sum of its terms even with prefetch. Weights all on the host, the rest on the device; per layer:
+    prefill host_to_device W / 1e6 = 0.197632 s + compute linear + attention, decode W / 1e6 + its compute."""
+    shared = HardwareProfile(device_memory=10**9, host_memory=10**9, disk_memory=10**9, overlap=False, **RATES)
+    pred = CostModel(ARCH, S, N, shared, "float32").predict(policy(weights_gpu=0, weights_cpu=100))
+    linear = max(2 * (S * 98816 + 8192 / 4) / 1e9, W / 1e10)                               # 1.585152e-3
+    t_pre = 0.197632 + linear + B * 4 * 64 * S * S / 1e9                                   # 0.199348
+    attention = max(B * (S + N / 2) * KV_TOKEN / 1e10, B * (S + N / 2) * 4 * 64 / 1e9)
+    t_gen = 0.197632 + 2 * (98816 + 2048) / 1e9 + attention                                # 0.197839
+    assert pred.prefill_s == pytest.approx(4 * t_pre) and pred.decode_s == pytest.approx(4 * 3 * t_gen)
+    overlapped = CostModel(ARCH, S, N, HardwareProfile(device_memory=10**9, host_memory=10**9,
+                                                       disk_memory=10**9, **RATES), "float32")
+    assert overlapped.predict(policy(weights_gpu=0, weights_cpu=100)).prefill_s == pytest.approx(4 * 0.197632)
+    # the flag round-trips through the TOML file; a file without it (a GPU's, or written before) overlaps
+    save_profile(shared, str(tmp_path / "p.toml"))
+    assert "overlap = false" in (tmp_path / "p.toml").read_text()
+    assert load_profile(str(tmp_path / "p.toml")) == shared
+    text = "\n".join(line for line in (tmp_path / "p.toml").read_text().splitlines() if "overlap" not in line)
+    (tmp_path / "q.toml").write_text(text)
+    assert load_profile(str(tmp_path / "q.toml")).overlap is True
+
+
 def test_cost_model_schedules_and_cpu_attention():
     hw = HardwareProfile(device_memory=10**9, host_memory=10**9, disk_memory=10**9, **RATES)
     model = CostModel(ARCH, S, N, hw, "float32")
@@ -338,6 +361,7 @@ def test_cli_profile_writes_a_loadable_profile(run_cli, repo_root, tmp_path):
     profile = load_profile(str(out))
     assert (profile.device_memory, profile.host_memory) == (2 * 10**9, 8 * 2**30)
     assert profile.host_to_device > 1e8 and profile.device_flops > 1e8 and profile.disk_to_host > 0
+    assert profile.overlap is False                     # NumPy: a transfer is a memcpy on the compute cores
     assert list(tmp_path.glob("hpcinfer-profile-*")) == []             # the temp file is gone
     plan = run_cli(["plan", "--model", "tiny-dense", "--profile", str(out), "--prompt-len", "16", "--gen-len", "4"],
                    cwd=repo_root, timeout=120)
