@@ -153,6 +153,13 @@ def _stage_rows(reports: list, stages: int) -> list:
     return rows
 
 
+def _expert_mesh(config, arch) -> dict:
+    """The expert axes of an MoE run (ep, expert_tp, the all-to-all variant); nothing for a dense model."""
+    if not any(arch.moe_experts):
+        return {}
+    return {"ep": config.parallel.ep, "expert_tp": config.parallel.expert_tp, "all_to_all": config.moe.all_to_all}
+
+
 def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> dict:
     P = mesh.shape.pp
     firsts = [r.times for r in reports if r.coords[0] == 0 and r.coords[2] == 0]        # one per dp replica
@@ -169,7 +176,7 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
         "config": dataclasses.asdict(config),
         "mesh": {"world": mesh.world.size, "pp": P, "dp": mesh.shape.dp, "tp": mesh.shape.tp,
                  "ranks_per_node": mesh.ranks_per_node, "threads_per_rank": threads,
-                 "backend": backend_of(reports)},
+                 "backend": backend_of(reports), **_expert_mesh(config, arch)},
         "model": {"family": arch.family, "parameters": arch.param_count(), "layers": arch.num_layers,
                   "hidden": arch.hidden_size, "vocab": arch.vocab_size},
         "load_s": load_s,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpcinfer.bench import figures as fig
-from hpcinfer.bench.schema import validate
+from hpcinfer.bench.schema import SCHEMAS, validate
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.offload.sizes import table_bytes
 
@@ -61,7 +61,7 @@ def _metrics(streamed_peak: int) -> dict:
 def test_committed_bench_results_pass_the_schema(path):
     result = json.loads(path.read_text())
     validate(result, str(path))
-    assert result["schema"] == "hpcinfer-bench/1" and result["suites"]
+    assert result["schema"] in SCHEMAS and result["suites"]
 
 
 def test_there_is_a_committed_bench_result():
@@ -135,3 +135,12 @@ def test_the_streamed_bytes_per_step_are_the_layers_off_the_device(tmp_path):
     assert held["backend"] == "numpy"
     assert _summary(tmp_path, "tiny-dense", held)["mesh"]["backend"] == "numpy"
     assert _summary(tmp_path, "tiny-dense", {"weights": 1, "dequant_scratch": 0})["mesh"]["backend"] is None
+
+
+def test_an_moe_runs_mesh_names_its_expert_axes(tmp_path):
+    """An MoE model's metrics mesh carries ep, expert_tp and the all-to-all variant the job ran with (the job's
+    config defaults: ep = expert_tp = 1, pcc+hierarchical); a dense model's mesh has none of them."""
+    held = {"weights": 1, "dequant_scratch": 0}
+    mesh = _summary(tmp_path, "tiny-moe", held)["mesh"]
+    assert (mesh["ep"], mesh["expert_tp"], mesh["all_to_all"]) == (1, 1, "pcc+hierarchical")
+    assert not {"ep", "expert_tp", "all_to_all"} & set(_summary(tmp_path, "tiny-dense", held)["mesh"])
