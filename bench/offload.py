@@ -208,7 +208,7 @@ def recommended(args, arch, prompt_len: int, budget: int, work: Path, bw: dict):
     try:
         profile = measure(str(work), device_memory=budget, size=64 * 2**20)
         if "h2d_pinned" in bw:                    # the copy engine runs beside the GPU's compute: terms overlap
-            profile = replace(profile_gpu.gpu_profile(profile, bw), overlap=True)
+            profile = profile_gpu.gpu_profile(profile, bw)
         sizes = [s for s in (1, 2, 4, 8, 16, 32) if args.batch % s == 0]
         counts = [c for c in range(1, args.batch + 1) if args.batch % c == 0]
         _, _, candidates = search_policy(arch, prompt_len, args.new_tokens, profile, gpu_batch_sizes=sizes,

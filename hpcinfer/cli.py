@@ -73,7 +73,8 @@ def _offload_parsers(sub) -> None:
                       help="hardware profile: a file from `hpcinfer profile` or a preset (t4-16gb, "
                            "a100-40gb-pcie4, h100-80gb); default: measure this machine")
     plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                      help="weight and cache dtype (default: the checkpoint's; float32 for a preset)")
+                      help="weight dtype (default: the checkpoint's; for a preset float32, or float16 with --gpus); "
+                           "the offload plan counts the KV cache at float32, as the runtime allocates it")
     plan.add_argument("--quantize", default="none", choices=LOAD_MODES,
                       help="plan for weights quantized at load ([model] quantize; a quantized checkpoint is "
                            "counted as stored): the quantized bytes are what moves")
@@ -216,12 +217,9 @@ def _measure(args):
         raise ConfigError(f"cannot measure the disk under '{disk_dir}': {exc.strerror or exc}") from None
     if ops.name != "cupy":
         return profile
-    import dataclasses
-
     from .offload.profile_gpu import with_gpu
 
-    # The GPU's copy engine runs beside its compute (profile.measure's NumPy profile says they share the cores).
-    return dataclasses.replace(with_gpu(profile, ops.xp, size, _budgets(args).get("device_memory")), overlap=True)
+    return with_gpu(profile, ops.xp, size, _budgets(args).get("device_memory"))        # overlap = True: a GPU
 
 
 def _profile(args) -> int:
@@ -340,6 +338,7 @@ def _plan(args) -> int:
     from .errors import ConfigError
     from .offload.lp import search_policy
     from .offload.profile import resolve_profile
+    from .quant.planning import planned_kv_format, planned_quant_of
 
     if args.gpus is not None:
         from .checkpoint.presets import PRESETS
@@ -365,8 +364,8 @@ def _plan(args) -> int:
         profile = resolve_profile(args.profile).with_budgets(**_budgets(args))
     cpu = {"auto": None, "on": True, "off": False}[args.cpu_attention]
     fixed = _fixed_percentages(args.fix)
-    quant_of = _plan_quant(args, arch)
-    kv = _plan_kv_format(args, arch)
+    quant_of = planned_quant_of(args.model, arch, args.quantize, args.quantize_group)
+    kv = planned_kv_format(args.kv_cache, args.kv_cache_group, arch.head_dim)
     try:
         policy, best, candidates = search_policy(arch, args.prompt_len, args.gen_len, profile, args.max_latency,
                                                  cpu_attention=cpu, schedule=args.schedule,
@@ -376,18 +375,6 @@ def _plan(args) -> int:
         raise ConfigError(f"--fix: {exc}") from None
     print(_plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of, kv))
     return 0
-
-
-def _plan_kv_format(args, arch):
-    """`--kv-cache` / `--kv-cache-group` as `[model] kv_cache` reads them: a quant.kv.KVFormat, or None."""
-    from .errors import ConfigError
-    from .quant.formats import QuantError
-    from .quant.kv import kv_format
-
-    try:
-        return kv_format(args.kv_cache, args.kv_cache_group, arch.head_dim)
-    except QuantError as exc:
-        raise ConfigError(f"--kv-cache-group {args.kv_cache_group}: {exc}") from None
 
 
 def _count(n: int) -> str:
@@ -424,24 +411,6 @@ def _check_fixed_sums(fixed: dict) -> None:
                               f"must sum to 100, so the fixed ones cannot sum to more")
         if len(keys) == 3 and abs(total - 100) > 1e-9:
             raise ConfigError(f"--fix {named} = {total:g}: the three percentages must sum to 100")
-
-
-def _plan_quant(args, arch):
-    """Which tensors the planned model holds quantized (quant.storage.quant_of): a checkpoint's own quantization,
-    or `--quantize` applied to float weights as `[model] quantize` does."""
-    import os
-    import types
-
-    from .quant.storage import configure, quant_of
-
-    if args.model.endswith((".h5", ".hdf5")) and os.path.exists(args.model):
-        from .checkpoint.format import open_checkpoint
-
-        with open_checkpoint(args.model) as ckpt:
-            configure(ckpt, args.quantize, args.quantize_group)
-            return quant_of(ckpt)
-    wanted = None if args.quantize == "none" else (args.quantize, args.quantize_group)
-    return quant_of(types.SimpleNamespace(arch=arch, load_quant=wanted))
 
 
 def _plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of=None, kv_format=None) -> str:

@@ -191,8 +191,8 @@ def test_cost_model_counts_quantized_bytes_as_the_runtime_holds_them():
     assert pred.decode_terms["host_to_device"] == pytest.approx(52480 / 1e6)
     assert pred.peak["disk"] == pytest.approx(0.5 * 4 * 52480)
     budget = machine(device=DEVICE_FOR_CACHE, host=600000)                 # weights spill to disk in float32
-    _, float32 = solve_placement(ARCH, S, N, 2, 1, budget, cpu_attention=True)
-    p, quantized = solve_placement(ARCH, S, N, 2, 1, budget, cpu_attention=True, quant_of=int8)
+    _, float32 = solve_placement(ARCH, S, N, 2, 1, budget, cpu_attention=False)
+    p, quantized = solve_placement(ARCH, S, N, 2, 1, budget, cpu_attention=False, quant_of=int8)
     assert float32.peak["disk"] > 0 and p.weights_disk == 0 and quantized.total_s < float32.total_s
 
 
@@ -208,15 +208,15 @@ def test_lp_everything_on_the_device_when_it_fits():
 def test_lp_weights_on_host_cache_on_device():
     """The device holds exactly the cache, activations and buffers with every weight streamed (DEVICE_FOR_CACHE),
     not the weights (WT). The link is fast: streaming all weights (W / 1 TB/s) hides under compute (2e-4 s a
-    layer). With CPU attention over a 1 MB/s host memory, each byte of cache moved off the device to make room for
-    weights adds host attention time to the binding compute term; weights on the device would save only hidden
-    link time. So: weights all on the host, cache and activations all on the device, nothing on disk."""
+    layer), so weights on the device would save only hidden link time. The cache stays on the device, where there
+    is no attention to delegate (CPU attention needs the cache in host memory), so no host attention scratch
+    either. So: weights all on the host, cache and activations all on the device, nothing on disk."""
     hw = machine(device=DEVICE_FOR_CACHE)
-    p, pred = solve_placement(ARCH, S, N, 2, 1, hw, cpu_attention=True)
+    p, pred = solve_placement(ARCH, S, N, 2, 1, hw, cpu_attention=False)
     assert (p.weights_gpu, p.weights_cpu) == (0, 100)
     assert (p.cache_gpu, p.act_gpu) == (100, 100)
     assert pred.peak["device"] == pytest.approx(DEVICE_FOR_CACHE)
-    assert pred.peak["host"] == pytest.approx(WT + B * 4 * (S + N) * 4)                     # + attention scratch
+    assert pred.peak["host"] == pytest.approx(WT)
     assert pred.peak["disk"] == 0
     # Letting the solver choose CPU attention cannot do worse.
     _, auto = solve_placement(ARCH, S, N, 2, 1, hw)
@@ -226,14 +226,14 @@ def test_lp_weights_on_host_cache_on_device():
 def test_lp_spills_weights_to_disk():
     """Device as above (cache and activations held there), host 600 KB. The runtime places whole layers
     (tiers.place_layers), and streaming from disk stages 2 layers in host memory (2 W), so the host holds
-    n_host W + 2 W + scratch <= 600000: n_host <= (600000 - 2 W - 384) / W = 204352 / 197632 = 1.03. The LP's
-    continuous answer, 51.70 % on the host, is 2 of the 4 layers, which does not fit; the slow disk binds, so the
+    n_host W + 2 W <= 600000: n_host <= (600000 - 2 W) / W = 204736 / 197632 = 1.04. The LP's
+    continuous answer (about half the weights on the host) rounds to 2 of the 4 layers, which does not fit; the slow disk binds, so the
     plan keeps as many whole layers on the host as fit: 1 of 4 (25 %), 3 (75 %) on disk."""
     hw = machine(device=DEVICE_FOR_CACHE, host=600000)
-    p, pred = solve_placement(ARCH, S, N, 2, 1, hw, cpu_attention=True, fixed={"cache_gpu": 100, "act_gpu": 100})
-    n_host = math.floor((600000 - 2 * W - 384) / W)
+    p, pred = solve_placement(ARCH, S, N, 2, 1, hw, cpu_attention=False, fixed={"cache_gpu": 100, "act_gpu": 100})
+    n_host = math.floor((600000 - 2 * W) / W)
     assert (p.weights_gpu, p.weights_cpu, p.weights_disk) == (0, 25 * n_host, 75) == (0, 25, 75)
-    assert pred.fits and pred.peak["disk"] == 3 * W and pred.peak["host"] == 3 * W + 384
+    assert pred.fits and pred.peak["disk"] == 3 * W and pred.peak["host"] == 3 * W
     assert pred.bottleneck == "decode: disk_to_host"
     # Unpinned, the disk is still needed: weights + cache + activations exceed device + host.
     p, pred = solve_placement(ARCH, S, N, 2, 1, hw)
@@ -369,3 +369,16 @@ def test_cli_profile_writes_a_loadable_profile(run_cli, repo_root, tmp_path):
     assert tomllib.loads(plan.stdout)["offload"]["device_memory"] == 2 * 10**9
     bad = run_cli(["profile", "--disk-dir", str(tmp_path / "nope")], cwd=repo_root, timeout=60)
     assert bad.returncode == 2 and "--disk-dir" in bad.stderr
+
+
+def test_lp_with_cpu_attention_keeps_the_whole_cache_on_the_host():
+    """CPU attention delegates attention over a host cache; the runtime refuses it over a split or device cache
+    (config: cpu_attention needs cache_gpu = 0), so every policy solved with it has the cache all on the host,
+    even where the device could hold it (machine(): everything fits), and pinning the cache to the device is an
+    error naming what CPU attention needs."""
+    p, pred = solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True)
+    assert p.cpu_attention and (p.cache_gpu, p.cache_cpu) == (0, 100) and pred.fits
+    with pytest.raises(ValueError, match=r"cache_gpu = 0, cache_cpu = 100"):
+        solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True, fixed={"cache_gpu": 100})
+    with pytest.raises(ValueError, match=r"cache_cpu <= 50"):
+        solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True, fixed={"cache_cpu": 50})

@@ -22,6 +22,7 @@ def test_profile_on_cupy_measures_the_gpus_side(emu_cupy, tmp_path, monkeypatch)
     assert profile.host_memory == 8 << 30
     assert profile.host_to_device > 0 and profile.device_to_host > 0 and profile.device_flops > 0
     assert emu._state.async_copies > 0                             # the link was measured with async copies
+    assert profile.overlap                                         # the copy engine runs beside the GPU's compute
     pinned = cli.main(["profile", "--backend", "cupy", "--out", str(tmp_path / "budget.toml"), "--size", "1MiB",
                        "--disk-dir", str(tmp_path), "--device-memory", "2GB"])
     assert pinned == 0 and load_profile(str(tmp_path / "budget.toml")).device_memory == 2 * 10**9
@@ -31,7 +32,8 @@ def test_profile_on_numpy_keeps_the_memcpy_figures(tmp_path):
     out = tmp_path / "cpu.toml"
     assert cli.main(["profile", "--backend", "numpy", "--out", str(out), "--size", "1MiB",
                      "--disk-dir", str(tmp_path)]) == 0
-    assert "numpy backend" in load_profile(str(out)).notes
+    cpu = load_profile(str(out))
+    assert "numpy backend" in cpu.notes and not cpu.overlap        # a memcpy shares the cores with the compute
 
 
 def test_profile_on_cupy_without_a_gpu_is_one_clear_error(tmp_path, capsys, monkeypatch):

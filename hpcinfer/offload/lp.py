@@ -230,18 +230,17 @@ def _cases(terms: CostTerms, bounds: list) -> list:
 
 
 def _cache_bounds(bounds: list, cpu_attention: bool) -> list:
-    """The bounds to solve with: CPU attention needs the whole cache on one side (the runtime attends a host cache
-    on the host, a device cache on the device, never a split one), so it is solved with the cache all on the host
-    and all on the device (unless pinned), each an LP of its own."""
+    """The bounds to solve with: CPU attention attends a cache that lives wholly in host memory (the runtime
+    refuses it over a split cache, and with the cache all on the device it would delegate nothing: that is the
+    plain policy, solved with cpu_attention = false), so it is solved with cache_gpu = 0, cache_cpu = 100."""
     cg, cc = VARIABLES.index("cg"), VARIABLES.index("cc")
     if not cpu_attention:
         return [bounds]
-    lo, hi = bounds[cg]
-    if lo == hi and 0 < lo < 1:
-        raise ValueError(f"cache_gpu = {100 * lo:g} with cpu_attention: CPU attention needs cache_gpu = 0 or 100")
-    sides = [side for side in (0.0, 1.0) if lo <= side <= hi]
-    return [[(side, side) if i == cg else (1 - side, 1 - side) if i == cc else b for i, b in enumerate(bounds)]
-            for side in sides]
+    if bounds[cg][0] > 0 or bounds[cc][1] < 1:
+        raise ValueError(f"cache_gpu >= {100 * bounds[cg][0]:g}, cache_cpu <= {100 * bounds[cc][1]:g} with "
+                         f"cpu_attention: CPU attention needs the cache in host memory (cache_gpu = 0, "
+                         f"cache_cpu = 100)")
+    return [[(0.0, 0.0) if i == cg else (1.0, 1.0) if i == cc else b for i, b in enumerate(bounds)]]
 
 
 def _case_problem(terms: CostTerms, profile: HardwareProfile, staged: frozenset, bounds: list) -> "_Problem":

@@ -81,15 +81,15 @@ def plan_layouts(args, arch, dtype: str, gpu_memory: int | None) -> int:
 
 def quantization(args, arch) -> tuple:
     """(quant_of, kv_format) of `--quantize` / `--kv-cache` (and their groups) as the offload planner reads them
-    (cli._plan_quant: a quantized checkpoint counts as stored; cli._plan_kv_format), quant_of None when no weight
-    is quantized. Read through the CLI's own helpers so that both planners agree on what is quantized."""
-    from ..cli import _plan_kv_format, _plan_quant
+    (quant.planning: a quantized checkpoint counts as stored), quant_of None when no weight is quantized. The
+    same helpers as the offload planner's, so that both planners agree on what is quantized."""
     from ..model.arch import tensor_shapes
+    from ..quant.planning import planned_kv_format, planned_quant_of
 
-    quant_of = _plan_quant(args, arch)
+    quant_of = planned_quant_of(args.model, arch, args.quantize, args.quantize_group)
     if not any(quant_of(name) for name in tensor_shapes(arch)):
         quant_of = None
-    return quant_of, _plan_kv_format(args, arch)
+    return quant_of, planned_kv_format(args.kv_cache, args.kv_cache_group, arch.head_dim)
 
 
 def _quant_label(args, quant_of, kv) -> str:
