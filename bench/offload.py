@@ -274,7 +274,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--device-memory", default="200MB", help="device budget of the offloaded runs")
     p.add_argument("--work", default=None, help="folder for the disk tier (default: a temporary folder)")
-    p.add_argument("--only", default=None, help="comma-separated groups to run (reference,host,disk,cache,policy)")
+    p.add_argument("--only", default=None, help="comma-separated groups to run (host,disk,cache,policy); the "
+                   "all-on-device reference runs always run, so every run's tokens are checked against them")
     p.add_argument("--no-policy", action="store_true", help="skip lp.search_policy")
     p.add_argument("--quant", action="store_true",
                    help="float32 vs int8 vs int4 weights streamed from host and disk (writes offload-quant-DATE.*)")
@@ -333,7 +334,7 @@ def bench(args, arch, prompts: list) -> int:
     result = record(args, arch, budget, bw, device_info(ops), policy_search, runs, ok, checks)
     result["wall_s"] = time.perf_counter() - t_start
     write(args, result)
-    return 0 if not checks["failed"] and not checks["different_tokens"] else 1
+    return 0 if not (checks["failed"] or checks["different_tokens"] or checks["no_reference"]) else 1
 
 
 def bandwidths(args, ops, work_root: Path) -> dict:
@@ -362,7 +363,7 @@ def plan_setups(args, arch, budget: int, work_root: Path, bw: dict) -> tuple[lis
         if setup is not None:
             todo += [setup, *(fitted(args, a, work_root) for a in plan_ablations(setup))]
     if args.only:
-        groups = set(args.only.split(","))
+        groups = set(args.only.split(",")) | {"reference"}      # the all-on-device runs every token check needs
         todo = [s for s in todo if s.group in groups]
     return todo, policy_search
 
@@ -418,9 +419,10 @@ def summarize(samples: dict, errors: dict, budget: int) -> tuple[dict, dict, dic
     ok = {k: v for k, v in runs.items() if "error" not in v}
     fmt = lambda v: (v["quantize"], v["kv_cache"])                                      # noqa: E731
     references = {fmt(v): v for v in ok.values() if v["group"] == "reference"}      # per weight and KV format
-    same = {k: fmt(v) in references and v["tokens"] == references[fmt(v)]["tokens"] for k, v in ok.items()}
-    checks = {"same_tokens_as_all_on_device": sorted(k for k, v in same.items() if v),
-              "different_tokens": sorted(k for k, v in same.items() if not v),
+    compared = {k: v["tokens"] == references[fmt(v)]["tokens"] for k, v in ok.items() if fmt(v) in references}
+    checks = {"same_tokens_as_all_on_device": sorted(k for k, same in compared.items() if same),
+              "different_tokens": sorted(k for k, same in compared.items() if not same),
+              "no_reference": sorted(k for k in ok if k not in compared),        # counted as a failure too
               "peak_weights_within_budget": all(v["weights_peak_device_bytes"] <= budget for v in ok.values()
                                                   if v["group"] != "reference"),
               "failed": {k: v["error"] for k, v in runs.items() if "error" in v}}

@@ -41,3 +41,21 @@ def test_the_plan_is_compared_with_the_best_row_run():
     assert got["plan: search_policy / host: row"] == pytest.approx(5.0)
     assert got["plan: search_policy / plan: no overlap"] == pytest.approx(2.0)
     assert "plan: search_policy / plan: no CPU attention" not in got                   # not run: no ratio
+
+
+def test_token_checks_compare_each_run_with_its_formats_reference():
+    """summarize: a run is held to the all-on-device reference of its own weight and KV format; one with other
+    tokens is a difference, one whose format has no reference run is 'no_reference' (not silently 'different',
+    as `--only policy` reported before the references always ran)."""
+    from bench.offload import summarize
+
+    def run(group, tokens, kv="none"):
+        return [{"run_s": 1.0, "cpu": None, "group": group, "quantize": "none", "kv_cache": kv, "tokens": tokens,
+                 "weights_peak_device_bytes": 10}]
+
+    samples = {"all on device": run("reference", [[1, 2]]), "host: zig-zag": run("host", [[1, 2]]),
+               "host: row": run("host", [[1, 3]]), "cache int4": run("cache", [[1, 2]], kv="int4")}
+    _, _, checks = summarize(samples, {}, budget=100)
+    assert checks["same_tokens_as_all_on_device"] == ["all on device", "host: zig-zag"]
+    assert checks["different_tokens"] == ["host: row"]
+    assert checks["no_reference"] == ["cache int4"]
