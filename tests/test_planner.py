@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -14,7 +15,9 @@ from hpcinfer.comm.all_to_all import message_stats
 from hpcinfer.comm.mesh import MeshShape
 from hpcinfer.config import _build
 from hpcinfer.model.arch import ModelArch
+from hpcinfer.offload.budget import plan_bytes
 from hpcinfer.offload.profile import PRESETS as HARDWARE
+from hpcinfer.parallel.stages import partition_layers
 from hpcinfer.parallel.layout import check_experts, check_tensor_parallel
 from hpcinfer.perf.memory import rank_memory
 from hpcinfer.perf.planner import plan
@@ -72,13 +75,42 @@ def _check_plan(arch, gpus, per_node, memory, batch, objective):
         assert lay.pp <= arch.num_layers
         per_replica = -(-batch // lay.dp)
         assert 1 <= lay.prompt_micro_batches <= per_replica and 1 <= lay.gen_micro_batches <= per_replica
-        assert p.memory == rank_memory(arch, lay, work) <= memory
+        if p.offload is None:
+            assert p.memory == rank_memory(arch, lay, work) <= memory
+        else:
+            _check_offloaded(arch, p, work, hw, memory)
         assert p.token_s > 0 and p.prompt_s > 0 and p.throughput > 0
         if any(arch.moe_experts) and lay.stage_ranks > 1:                   # the exchange's schedule exists
             tp = lay.tp if lay.all_to_all.startswith("pcc") else 1
             message_stats(lay.all_to_all, lay.stage_ranks, lay.stage_ranks_per_node, tp, 1, 1)
     keys = [p.token_s for p in result.ranked] if objective == "latency" else [-p.throughput for p in result.ranked]
     assert keys == sorted(keys)
+
+
+def _check_offloaded(arch, p, work, hw, memory):
+    """An offloaded layout: one the runtime takes with [offload] (pp = 1; MoE only with dp = 1), over the memory
+    without it, and within every budget with it by the offload cost model's peak and by the runtime's own plan
+    (budget.plan_bytes, what check_budgets compares), on the device and in a rank's share of host memory."""
+    lay, off = p.layout, p.offload
+    assert lay.pp == 1 and not (arch.moe_experts and lay.dp > 1)
+    assert rank_memory(arch, lay, work) > memory >= p.memory >= off.peak["device"]
+    host = hw.host_memory // lay.ranks_per_node
+    assert off.peak["host"] <= host and off.device_memory == memory and off.host_memory == host
+    runtime = plan_bytes(arch, offload_config(off, lay, work), partition_layers(arch, 1)[0],
+                         [work.prompt_len] * work.per_replica(lay.dp), work.quant_of, off.fetch_share)
+    assert runtime["device"] <= memory and runtime["host"] <= host
+
+
+def offload_config(off, lay, work):
+    """The parts of a job config that budget.plan_bytes reads, as the printed TOML sets them."""
+    pol = off.policy
+    section = types.SimpleNamespace(**{k: getattr(pol, k) for k in (
+        "weights_gpu", "weights_cpu", "cache_gpu", "cache_cpu", "act_gpu", "act_cpu", "cpu_attention",
+        "prefetch_layers", "schedule", "num_gpu_batches", "gpu_batch_size")}, partitioned_fetch=off.fetch_share > 1)
+    return types.SimpleNamespace(
+        offload=section, parallel=types.SimpleNamespace(tp=lay.tp, pp=1),
+        model=types.SimpleNamespace(dtype=work.dtype, kv_cache="none", kv_cache_group=64),
+        generate=types.SimpleNamespace(batch_size=pol.block_size, max_new_tokens=work.gen_len), path="plan")
 
 
 def test_latency_budget_drops_slow_layouts():
@@ -121,9 +153,10 @@ def test_cli_dense_model_has_no_moe_section(capsys):
 def test_cli_errors_name_the_problem(capsys):
     assert main(["plan", "--model", "gpt-13b", "--gpus", "12"]) != 0
     assert "whole number of nodes of 8" in capsys.readouterr().err
-    assert main(["plan", "--model", "lm-530b", "--gpus", "2", "--gpu-memory", "40GB"]) != 0
+    assert main(["plan", "--model", "lm-530b", "--gpus", "2", "--gpu-memory", "40GB", "--host-memory", "10GB",
+                 "--disk-memory", "10GB"]) != 0
     err = capsys.readouterr().err
-    assert "no layout of 2 GPUs fits" in err and "leanest needs" in err
+    assert "no layout of 2 GPUs fits" in err and "leanest needs" in err and "with offload" in err
     assert main(["plan", "--model", "gpt-13b", "--gpus", "8", "--latency-budget", "0.001"]) != 0
     assert "--latency-budget" in capsys.readouterr().err
     assert main(["plan", "--model", "gpt-13b", "--gpus", "0"]) != 0

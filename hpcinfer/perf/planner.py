@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from .layout import ALL_TO_ALL, Layout, divisors, layout_problem
 from .memory import rank_memory
+from .offload import plan_offload
 from .step import Prediction, Workload, predict
 
 OBJECTIVES = ("latency", "throughput")
@@ -27,6 +28,8 @@ class PlanResult:
     too_slow: int                # of them, fitting but over the latency budget
     smallest_memory: int         # bytes per rank of the leanest valid layout (what a user would have to provide)
     fastest_s: float             # the smallest token step of the fitting layouts, budget or not (inf: none fit)
+    offloaded: int = 0           # of the too_big ones, planned with offload instead (perf/offload.py): in ranked
+                                 # or too_slow, not in too_big
 
 
 def micro_batch_options(pp: int, batch: int) -> list[int]:
@@ -61,13 +64,16 @@ def _key(objective: str):
 
 
 def plan(arch, gpus: int, work: Workload, hw, objective: str = "latency",
-         latency_budget_s: float | None = None) -> PlanResult:
-    """Search the layouts of `gpus` ranks of machine `hw` (a HardwareProfile with its link fields)."""
+         latency_budget_s: float | None = None, offload: bool = True) -> PlanResult:
+    """Search the layouts of `gpus` ranks of machine `hw` (a HardwareProfile with its link fields). offload: a
+    layout over the memory that the runtime runs with `[offload]` (pp = 1; an MoE model with dp = 1) is planned
+    with its weights (and KV cache) partly in host memory or on disk (perf/offload.py) instead of dropped."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if gpus < 1 or work.batch < 1:
         raise ValueError(f"gpus and batch must be >= 1, got {gpus} and {work.batch}")
     ranked, considered, too_big, too_slow, smallest, fastest = [], 0, 0, 0, None, float("inf")
+    offloaded, solved = 0, {}
     for layout in candidate_layouts(arch, gpus, hw.gpus_per_node, work.batch):
         if layout_problem(arch, layout, work.per_replica(layout.dp)) is not None:
             continue
@@ -75,16 +81,20 @@ def plan(arch, gpus: int, work: Workload, hw, objective: str = "latency",
         memory = rank_memory(arch, layout, work)
         smallest = memory if smallest is None else min(smallest, memory)
         if memory > hw.device_memory:
-            too_big += 1
-            continue
-        prediction = replace(predict(arch, layout, work, hw), memory=memory)
+            prediction = plan_offload(arch, layout, work, hw, solved) if offload else None
+            if prediction is None:
+                too_big += 1
+                continue
+            offloaded += 1
+        else:
+            prediction = replace(predict(arch, layout, work, hw), memory=memory)
         fastest = min(fastest, prediction.token_s)
         if latency_budget_s is not None and prediction.token_s > latency_budget_s:
             too_slow += 1
             continue
         ranked.append(prediction)
     ranked.sort(key=_key(objective))
-    return PlanResult(ranked, considered, too_big, too_slow, smallest or 0, fastest)
+    return PlanResult(ranked, considered, too_big, too_slow, smallest or 0, fastest, offloaded)
 
 
 def best(result: PlanResult) -> Prediction | None:

@@ -1,6 +1,8 @@
 """`hpcinfer plan --gpus N`: resolve the arguments, search, and print the result as one TOML document.
 
-With one GPU and no layout that fits, the plan is FlexGen's offload policy for that GPU (offload/lp.py) instead.
+A layout over the memory that the runtime runs with `[offload]` is planned with offload (perf/offload.py): the
+table marks it and, when it is the best, the `[offload]` and `[generate]` sections are printed too. With one GPU
+and nothing that fits even so, the plan is FlexGen's offload policy for that GPU (offload/lp.py) instead.
 
 Everything but the best layout's sections is a comment, so the whole output parses as TOML (`tomllib.loads`)
 and can be pasted into a job config.
@@ -19,9 +21,11 @@ DEFAULT_HARDWARE = "dgx-a100-40gb"
 
 
 # Options of `hpcinfer plan` that only the offload planner (no --gpus) reads, with their argparse defaults: the
-# layout planner keeps every weight and the cache on the GPUs, so given with --gpus they would be silently ignored.
+# layout planner's offloaded layouts use the zig-zag schedule, one layer of prefetch, no CPU attention and no
+# --fix (perf/offload.py), so given with --gpus they would be silently ignored. --host-memory and --disk-memory
+# are read (a node's capacities, shared by its ranks), --disk-dir too (the printed disk_dir).
 OFFLOAD_ONLY = {"schedule": "zigzag", "prefetch_layers": 1, "cpu_attention": "auto", "fix": [],
-                "host_memory": None, "disk_memory": None, "max_latency": None, "candidates": 10, "backend": "auto"}
+                "max_latency": None, "candidates": 10, "backend": "auto"}
 _INSTEAD = {"max_latency": " (with --gpus: --latency-budget MS)", "candidates": " (with --gpus: --top K)"}
 
 
@@ -29,8 +33,9 @@ def _check_args(args) -> None:
     for name, default in OFFLOAD_ONLY.items():
         if getattr(args, name, default) != default:
             raise ConfigError(f"--{name.replace('_', '-')} is an offload planner option (`hpcinfer plan` without "
-                              f"--gpus, docs/offload-planning.md); the layout planner (--gpus) keeps weights and "
-                              f"KV cache on the GPUs and does not read it{_INSTEAD.get(name, '')}: remove it")
+                              f"--gpus, docs/offload-planning.md); the layout planner (--gpus) plans its offloaded "
+                              f"layouts with the zig-zag schedule, prefetch 1 and no CPU attention, and does not "
+                              f"read it{_INSTEAD.get(name, '')}: remove it")
     for name in ("gpus", "batch", "prompt_len", "gen_len"):
         value = getattr(args, name)
         if value < 1:
@@ -42,14 +47,39 @@ def _check_args(args) -> None:
 
 
 def resolve_hardware(args, gpu_memory: int | None):
-    """The HardwareProfile named by --hardware (or --profile), with the memory per GPU replaced when given."""
+    """The HardwareProfile named by --hardware (or --profile), with the memory per GPU replaced when given, and a
+    node's host memory and disk (--host-memory, --disk-memory)."""
     from ..offload.profile import resolve_profile
 
-    hw = resolve_profile(args.hardware or args.profile or DEFAULT_HARDWARE).with_budgets(device_memory=gpu_memory)
+    hw = resolve_profile(args.hardware or args.profile or DEFAULT_HARDWARE).with_budgets(
+        device_memory=gpu_memory, host_memory=_size(args, "host_memory"), disk_memory=_size(args, "disk_memory"))
     if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {hw.gpus_per_node} GPUs "
                           f"({hw.name}: gpus_per_node = {hw.gpus_per_node})")
     return hw
+
+
+def _size(args, name: str) -> int | None:
+    from ..config import parse_bytes
+
+    value = getattr(args, name, None)
+    if value is None:
+        return None
+    try:
+        result = parse_bytes(str(value).strip())
+    except ValueError:
+        result = -1
+    if result < 0:
+        raise ConfigError(f"--{name.replace('_', '-')} {value!r} is not a number of bytes nor a size such as "
+                          f"\"16GB\"")
+    return result
+
+
+def _disk_dir(args) -> str:
+    """Where an offloaded best layout's disk tier goes (--disk-dir, default the system temp dir)."""
+    import tempfile
+
+    return getattr(args, "disk_dir", None) or tempfile.gettempdir()
 
 
 def plan_layouts(args, arch, dtype: str, gpu_memory: int | None) -> int:
@@ -68,14 +98,16 @@ def plan_layouts(args, arch, dtype: str, gpu_memory: int | None) -> int:
               f"{work.gen_len}; objective {args.objective}"
               + (f", per-token latency <= {args.latency_budget:g} ms" if budget else ""),
               f"# layouts: {result.considered} valid, {result.too_big} over the memory, {result.too_slow} over the "
-              f"latency budget, {len(result.ranked)} kept"]
+              f"latency budget, {len(result.ranked)} kept"
+              + (f" ({result.offloaded} over the memory planned with offload: weights or KV cache in host memory "
+                 f"or on disk, {human_bytes(hw.host_memory)} host memory a node)" if result.offloaded else "")]
     if not result.ranked:
         print("\n".join(header))
         if args.gpus == 1 and result.considered and result.too_big == result.considered:
             return _offload_fallback(args, arch, work, hw)
         raise ConfigError(_nothing_fits(args, result, hw))
     print("\n".join(header + [""] + table(result, bool(arch.moe_experts), args.top) + [""]
-                    + best_toml(result, arch, work)))
+                    + best_toml(result, arch, work, _disk_dir(args))))
     return 0
 
 
@@ -119,28 +151,45 @@ def _nothing_fits(args, result: PlanResult, hw) -> str:
         return f"no valid layout of {args.gpus} GPUs for {args.model} (see docs/planner.md for what is searched)"
     if result.too_big == result.considered:
         return (f"no layout of {args.gpus} GPUs fits {args.model} in {human_bytes(hw.device_memory)} a GPU: the "
-                f"leanest needs {human_bytes(result.smallest_memory)}; add GPUs, lower --batch, or plan offloading "
-                f"with `hpcinfer plan --model {args.model} --profile ...` (without --gpus)")
+                f"leanest needs {human_bytes(result.smallest_memory)}, and no pp = 1 layout fits with offload "
+                f"(weights and KV cache in {human_bytes(hw.host_memory)} of host memory a node); add GPUs, lower "
+                f"--batch, raise --host-memory, or plan offloading with `hpcinfer plan --model {args.model} "
+                f"--profile ...` (without --gpus: any block size)")
     return (f"no fitting layout meets --latency-budget {args.latency_budget:g} ms: the fastest takes "
             f"{result.fastest_s * 1e3:.3g} ms a token")
 
 
 def table(result: PlanResult, moe: bool, top: int) -> list[str]:
     rows = [f"# the {min(top, len(result.ranked))} best (token = time between two tokens of a sequence; "
-            f"prompt = the batch's prompt phase; tokens/s over prompt + generation):",
+            f"prompt = the batch's prompt phase; tokens/s over prompt + generation; offload: weights on "
+            f"device/host/disk %, kv: KV cache device/host %, pfN: partitioned fetch over N replicas):",
             f"# {'rank':>4}  {'layout':<44} {'token ms':>9} {'prompt ms':>10} {'tokens/s':>10} {'bubble':>6} "
-            f"{'mem/GPU':>10}"]
+            f"{'mem/GPU':>10}  offload"]
     for i, p in enumerate(result.ranked[:max(top, 0)], 1):
         rows.append(f"# {i:>4}  {p.layout.label(moe):<44} {p.token_s * 1e3:>9.3g} {p.prompt_s * 1e3:>10.4g} "
-                    f"{p.throughput:>10.4g} {p.bubble:>6.2f} {human_bytes(p.memory):>10}")
+                    f"{p.throughput:>10.4g} {p.bubble:>6.2f} {human_bytes(p.memory):>10}  "
+                    f"{p.offload.label() if p.offload else '-'}")
     return rows
 
 
-def best_toml(result: PlanResult, arch, work: Workload) -> list[str]:
+def best_toml(result: PlanResult, arch, work: Workload, disk_dir: str | None = None) -> list[str]:
     p = result.ranked[0]
+    moe = bool(arch.moe_experts)
     comm_share = p.stage_comm_s / (p.stage_comm_s + p.stage_compute_s) if p.stage_comm_s else 0.0
-    return [f"# best: {p.layout.label(bool(arch.moe_experts))}: token {p.token_s * 1e3:.3g} ms "
-            f"({comm_share:.0%} communication), prompt {p.prompt_s * 1e3:.4g} ms, "
-            f"{p.throughput:.4g} tokens/s, {human_bytes(p.memory)} a GPU",
-            p.layout.to_toml(bool(arch.moe_experts), work.batch).rstrip("\n")]
-
+    lines = [f"# best: {p.layout.label(moe)}: token {p.token_s * 1e3:.3g} ms "
+             f"({comm_share:.0%} communication), prompt {p.prompt_s * 1e3:.4g} ms, "
+             f"{p.throughput:.4g} tokens/s, {human_bytes(p.memory)} a GPU"]
+    if p.offload is None:
+        return lines + [p.layout.to_toml(moe, work.batch).rstrip("\n")]
+    off = p.offload
+    link = " + ".join(f"{name} {seconds * 1e3:.3g} ms" for name, seconds in off.token_transfer_s.items() if seconds)
+    lines += [f"# offloading: {human_bytes(off.streamed_bytes)} of layers streamed a token step per rank "
+              f"({human_bytes(off.streamed_bytes / off.fetch_share)} over its host link"
+              + (f", all-gathered over {off.fetch_share} replicas in {off.gather_s * 1e3:.3g} ms" if off.fetch_share
+                 > 1 else "") + f"); transfers a token step: {link or 'none'}, "
+              f"{'overlapped with' if off.overlap else 'added to'} compute; peak per rank: device "
+              f"{human_bytes(off.peak['device'])}, host {human_bytes(off.peak['host'])}, disk "
+              f"{human_bytes(off.peak['disk'])}"]
+    sections = p.layout.to_toml(moe, work.batch)
+    sections = sections[:sections.index("\n# [generate]")]                   # [generate] is printed for real below
+    return lines + [sections.rstrip("\n"), "", off.to_toml(arch.num_layers, work.gen_len, disk_dir).rstrip("\n")]

@@ -99,7 +99,8 @@ class Prediction:
     bubble: float                # idle fraction of a stage during the token phase
     stage_compute_s: float       # a token step's slowest stage: compute (roofline) part
     stage_comm_s: float          # ... and its communication part
-    memory: int = 0              # bytes on the fullest rank (memory.py)
+    memory: int = 0              # bytes on the fullest rank (memory.py; offloaded: the device peak of the plan)
+    offload: object = None       # perf.offload.OffloadPlan when the layout streams weights (or KV) from the host
 
 
 def _roofline(flops: float, nbytes: float, hw) -> float:
