@@ -381,12 +381,11 @@ def _check_offload(path: str, config) -> None:
         raise ConfigError(f"{path}: offload.act_gpu + offload.act_cpu = {off.act_gpu + off.act_cpu:g} must be 100: "
                           f"activations have no disk tier in this runtime (rows on the device, the rest in host "
                           f"memory)")
-    if off.cpu_attention and off.cache_gpu > 0:
-        what = "has no host cache to attend over (it would do nothing)" if off.cache_gpu >= 100 else \
-            "would need the cache split between the tiers, which it does not attend over"
-        raise ConfigError(f"{path}: offload.cpu_attention = true with offload.cache_gpu = {off.cache_gpu:g} "
-                          f"{what}: CPU attention needs the whole KV cache in host memory (cache_gpu = 0, "
-                          f"cache_cpu = 100); otherwise set cpu_attention = false")
+    if off.cpu_attention and off.cache_gpu >= 100:
+        raise ConfigError(f"{path}: offload.cpu_attention = true with offload.cache_gpu = {off.cache_gpu:g} has no "
+                          f"host cache to attend over (it would do nothing): CPU attention attends the KV rows in "
+                          f"host memory, so it needs cache_gpu < 100 (a split, or cache_gpu = 0, cache_cpu = 100 "
+                          f"for the whole cache); otherwise set cpu_attention = false")
     if off.weights_gpu + off.weights_cpu < 100 and off.disk_dir is None:
         raise ConfigError(f"{path}: offload.weights_gpu + weights_cpu < 100 puts weights on disk: set "
                           f"offload.disk_dir")

@@ -235,12 +235,8 @@ KEY_ERRORS = {
                       ["model.quantize = 'int3'", "not allowed", "none, int8, int4, asym8"]),
     "cpu_attention over a device cache": (
         {"offload.schedule": '"zigzag"', "offload.cpu_attention": "true"},
-        ["offload.cpu_attention = true", "offload.cache_gpu = 100", "nothing", "cache_gpu = 0, cache_cpu = 100",
-         "cpu_attention = false"]),
-    "cpu_attention over a split cache": (
-        {"offload.schedule": '"zigzag"', "offload.cpu_attention": "true", "offload.cache_gpu": "40",
-         "offload.cache_cpu": "60"},
-        ["offload.cpu_attention = true", "offload.cache_gpu = 40", "cache_gpu = 0, cache_cpu = 100"]),
+        ["offload.cpu_attention = true", "offload.cache_gpu = 100", "nothing", "cache_gpu < 100",
+         "cache_gpu = 0, cache_cpu = 100", "cpu_attention = false"]),
 }
 
 

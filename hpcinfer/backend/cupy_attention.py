@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cupy_graphs import DeviceStep
+from .kv_attention import SplitRows, split_attention
 from .ops import StepLayout
 
 F32 = np.float32
@@ -30,6 +31,9 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu. A QuantizedKV cache
     and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py."""
     cp = ops.xp
+    if isinstance(cache_k, SplitRows):                       # CPU delegation over a split cache: by rows
+        return split_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk,
+                               lambda *args: host_attention(ops, *args))
     if _on_host(cache_k):                                    # CPU delegation: the cache stays where it lies
         return host_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)
     if topk or not isinstance(cache_k, cp.ndarray):          # a QuantizedKV cache, or top-k: cupy_kv.py

@@ -38,7 +38,9 @@ def scratch(ops, name: str, shape: tuple, dtype=F32) -> np.ndarray:
 
 def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
     """As NumpyOps.attention: q [T, H, hd]; k, v [T, Hkv, hd]; caches [N, Hkv, Lmax, hd] (float arrays or
-    QuantizedKV) -> [T, H*hd]. Appends k, v to the cache."""
+    QuantizedKV, or SplitRows: CPU delegation over a split cache) -> [T, H*hd]. Appends k, v to the cache."""
+    if isinstance(cache_k, SplitRows):                     # the host part attends with these NumpyOps too
+        return split_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk, ops.attention)
     if step.is_decode:
         return _decode(ops, q, k, v, cache_k, cache_v, step, scale, topk)
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
@@ -154,3 +156,53 @@ def _softmax(scores):
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     return scores
+
+
+# ---- CPU delegation over a split cache -------------------------------------------------------------------------
+
+class SplitRows:
+    """One layer's K (or V) of a GPU batch [N, Hkv, Lmax, X] placed by rows (offload/zigzag.py): row r = sequence
+    slot * Hkv + KV head; rows [0, R) are `device` [R, 1, Lmax, X] (None when R = 0), the rest `host`
+    [N Hkv - R, 1, Lmax, X] (pinned host memory). Each part is a float array or a QuantizedKV. `link` counts the
+    bytes split_attention sends over the link: [to the host, to the device]."""
+
+    def __init__(self, device, host, kv_heads: int, link: list):
+        self.device, self.host, self.kv_heads, self.link = device, host, kv_heads, link
+        self.device_rows = 0 if device is None else int(device.shape[0])
+
+
+def split_attention(ops, q, k, v, cache_k: SplitRows, cache_v: SplitRows, step: StepLayout, scale: float,
+                    topk: float, host_attend):
+    """FlexGen's CPU delegation over a split cache. Every (sequence, KV head) row attends on its own (its group of
+    g query heads over its own keys: no softmax merge), so the device rows attend where they lie, with `ops`, and
+    the host rows on the host with `host_attend` (same signature as ops.attention): only their q, k, v go down
+    and their outputs come up, never their cache. Each part is a step of its own whose "sequences" are rows
+    (one KV head each, slot = the row in that part). q [T, H, hd], k, v [T, Hkv, hd] -> [T, H*hd]."""
+    xp = getattr(ops, "xp", np)
+    T, heads, hd = q.shape
+    kv_heads = cache_k.kv_heads
+    group = heads // kv_heads
+    out = xp.empty((T, kv_heads, group * hd), dtype=F32)                            # [T, Hkv, g hd]
+    qg = q.reshape(T, kv_heads, group, hd)                                          # [T, Hkv, g, hd]
+    rows = step.slots[:, None] * kv_heads + np.arange(kv_heads)[None, :]          # [S, Hkv] row of each
+    R = cache_k.device_rows
+    for on_host, mask in ((False, rows < R), (True, rows >= R)):
+        seq, head = np.nonzero(mask)                                                # the part's rows, (s, h) order
+        if not len(seq):
+            continue
+        counts = step.counts[seq]
+        first = np.repeat(step.offsets[seq] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        tok = first + np.arange(int(counts.sum()))                                  # [M] token of each row-token
+        hix = np.repeat(head, counts)
+        part = StepLayout.build(rows[seq, head] - (R if on_host else 0), step.starts[seq], counts)
+        tok_d, hix_d = (xp.asarray(a) for a in (tok, hix))
+        q_rows = qg[tok_d, hix_d]                                                   # [M, g, hd]
+        k_rows, v_rows = k[tok_d, hix_d][:, None], v[tok_d, hix_d][:, None]         # [M, 1, hd]
+        if on_host:
+            got = host_attend(q_rows, k_rows, v_rows, cache_k.host, cache_v.host, part, scale, topk)
+            cache_k.link[0] += int(q_rows.nbytes + k_rows.nbytes + v_rows.nbytes)  # down: q, k, v of the rows
+            cache_k.link[1] += int(got.nbytes)                                      # up: their outputs
+        else:
+            got = ops.attention(q_rows, k_rows, v_rows, cache_k.device, cache_v.device, part, scale, topk)
+        out[tok_d, hix_d] = got                                                     # [M, g hd]
+    return out.reshape(T, heads * hd)

@@ -39,8 +39,8 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
     """Bytes per tier on one rank: weights by tier, the streaming window, embeddings, and the KV cache at tensor
     granularity: of each GPU batch's N x Hkv rows (sequence, KV head), device_rows(N Hkv, cache_gpu) on the device
     and the rest in host memory; when any row is in host memory, two device staging buffers of one layer of the
-    largest such batch (one loading while the other computes), unless CPU attention reads the host cache in
-    place. At the bytes of `[model] kv_cache` (offload/sizes.kv_token_bytes: an int4 cache is ~7x smaller than
+    largest such batch (one loading while the other computes), unless CPU attention attends every row where it
+    lies (the device rows on the device, the host rows on the host: host_attention_bytes of scratch instead). At the bytes of `[model] kv_cache` (offload/sizes.kv_token_bytes: an int4 cache is ~7x smaller than
     float32). quant_of: which tensors are held quantized (quant.storage.quant_of). fetch_share: the replicas of a
     partitioned fetch group; each keeps 1/fetch_share of every host and disk layer. The activations:
     act_plan_bytes."""
@@ -55,15 +55,17 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
     kept = lambda tier: sum(-(-b // fetch_share) for b, t in zip(per_layer, tiers) if t == tier)
     kv_device, kv_host, staging = kv_plan_bytes(arch, config, len(layers), prompt_lengths)
     act_device, act_host = act_plan_bytes(arch, config, prompt_lengths)
+    scratch = host_attention_bytes(arch, config, prompt_lengths)
     resident = sum(b for b, t in zip(per_layer, tiers) if t == "device")
     return {
         "device": resident + window + tables + kv_device + staging + act_device,
-        "host": kept("host") + kv_host + act_host,
+        "host": kept("host") + kv_host + act_host + scratch,
         "disk": kept("disk"),
         "parts": {"resident layers": resident, "streaming window": window, "embedding tables": tables,
                   "KV cache on the device": kv_device + staging, "activations on the device": act_device},
         "host_parts": {"host layers": kept("host"), "KV cache rows in host memory": kv_host,
-                       "activation rows in host memory": act_host},
+                       "activation rows in host memory": act_host,
+                       **({"host attention scratch": scratch} if scratch else {})},
     }
 
 
@@ -79,6 +81,22 @@ def kv_plan_bytes(arch, config, num_layers: int, prompt_lengths: list) -> tuple[
     staged = [len(g) for g, h in zip(gpu_batches, host_rows) if h > 0]
     staging = 0 if off.cpu_attention or not staged else 2 * max(staged) * heads * per_row_layer
     return (sum(on_device) * num_layers * per_row_layer, sum(host_rows) * num_layers * per_row_layer, staging)
+
+
+def host_attention_bytes(arch, config, prompt_lengths: list) -> int:
+    """Host scratch of CPU attention (offload/zigzag.py holds it): for the GPU batch with the most host rows h
+    (sequence x KV head), its float32 scores [h, g, Lmax] (g query heads a KV head) and, for a quantized cache,
+    the float32 K and V it dequantizes [h, Lmax, hd] each; 0 without CPU attention or without a host row."""
+    off, tp = config.offload, config.parallel.tp
+    if not off.cpu_attention:
+        return 0
+    heads = arch.num_kv_heads // tp
+    group = arch.num_heads // arch.num_kv_heads
+    max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
+    rows = max(len(g) * heads - device_rows(len(g) * heads, off.cache_gpu)
+               for g in micro_batches(config.generate.batch_size, off.num_gpu_batches))
+    dequantized = 2 * arch.head_dim if kv_format_of(config, arch) is not None else 0
+    return rows * max_len * (group + dequantized) * ACT_ITEMSIZE
 
 
 def act_plan_bytes(arch, config, prompt_lengths: list) -> tuple[int, int]:

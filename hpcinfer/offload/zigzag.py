@@ -9,7 +9,11 @@ R = device_rows(N * Hkv, cache_gpu) rows stay on the device and the rest live in
 GPU batch alike. A batch with all rows on the device computes on its cache in place (cache_gpu = 100: no copy);
 otherwise its rows of a layer are gathered in a device staging buffer before the layer runs (host rows through
 the copy engine, device rows by a device copy) and scattered back after, unless `cpu_attention` delegates the
-attention over a host cache (cache_gpu = 0) to the host, which then works on it in place.
+attention over the host rows to the host (FlexGen's CPU delegation): then nothing is staged and every row
+attends where it lies, the device rows on the device and the host rows on the host, for which only their
+queries (with the step's new K, V) go down and their outputs come up (backend/kv_attention.split_attention: a
+row's attention is one sequence, one KV head and its group of query heads, so no softmax merge is needed).
+The prompt step is delegated the same way (with cache_gpu = 0 every row attends on the host, as before).
 With `[model] kv_cache = "int8" | "int4"` every one of these caches (device, host, staging) holds QuantizedKV parts
 (q, scale, min) and the loads and stores move those parts as they are: FlexGen's point of compressing the cache,
 ~3.8x (int8) and ~7.1x (int4) fewer bytes than float32 at head_dim 64, group 64. Attention dequantizes only the
@@ -27,10 +31,10 @@ import time
 
 import numpy as np
 
+from ..backend.kv_attention import SplitRows
 from ..backend.numpy_ops import NumpyOps
 from ..backend.ops import StepLayout
 from ..comm.mappings import broadcast_from_tp_root
-from ..errors import ConfigError
 from ..generate.engine import Sequence, record_token
 from ..generate.kv_cache import KVCache
 from ..generate.sampling import sample, sequence_rng
@@ -43,7 +47,8 @@ from .budget import device_rows
 class HostKV:
     """The KV rows of GPU batches that do not all live on the device: each batch's host rows in (pinned) host
     memory, its device rows (tensor granularity, module docstring) in device arrays, and two device staging
-    buffers of one layer they pass through, unless CPU attention reads a host cache where it is. A step visits
+    buffers of one layer they pass through, unless CPU attention attends every row where it lies (no staging;
+    `delegated` counts the bytes of the host rows' q, k, v sent down and outputs sent up). A step visits
     (layer, batch) pairs in the zig-zag order; pair k is loaded into staging buffer k % 2 while pair k - 1 computes
     in the other, and stored back after it ran (on a GPU: host rows on the copy stream, ordered by events,
     backend/cupy_transfer.py; device rows by a device copy on the compute stream), so the loads of the next
@@ -60,20 +65,17 @@ class HostKV:
                                                        kv_format=model.kv_format)
         self.copies = model.ops.copy_engine()
         host_ops = PinnedHostOps(self.copies)
-        self.sizes = dict(sizes)                                                 # b -> sequences N
+        self.sizes, self.heads = dict(sizes), heads                             # b -> sequences N
         self.device_rows = {b: device_rows(n * heads, cache_gpu) for b, n in sizes.items()}   # b -> R
-        if cpu_attention and any(self.device_rows.values()):
-            raise ConfigError(f"offload.cpu_attention = true with offload.cache_gpu = {cache_gpu:g}: CPU attention "
-                              f"needs the whole cache on the host (cache_gpu = 0)")
-        if cpu_attention:                                                        # b -> [N, Hkv, L, hd] caches
-            self.host = {b: make(host_ops, model.num_local_layers, n) for b, n in sizes.items()}
-        else:                                                                    # b -> [N Hkv - R, 1, L, hd] rows
-            self.host = {b: make(host_ops, model.num_local_layers, n * heads - self.device_rows[b], 1)
-                         for b, n in sizes.items()}
+        self.cpu_attention, self.quantized = cpu_attention, model.kv_format is not None
+        self.group, self.head_dim = model.arch.num_heads // model.arch.num_kv_heads, arch.head_dim
+        self.host = {b: make(host_ops, model.num_local_layers, n * heads - self.device_rows[b], 1)
+                     for b, n in sizes.items()}                                  # b -> [N Hkv - R, 1, L, hd] rows
         self.device = {b: make(model.ops, model.num_local_layers, r, 1)          # b -> [R, 1, L, hd] rows
                        for b, r in self.device_rows.items() if r > 0}
         self.staging = [] if cpu_attention or not sizes else \
             [make(model.ops, 1, max(sizes.values())) for _ in range(2)]         # one layer of the largest batch
+        self.delegated = [0, 0]                         # CPU attention: bytes of q, k, v down and outputs up
         self.order: list = []                           # this step's (layer, b) pairs, in the order they run
         self.windows: dict = {}                         # b -> (load positions, store positions) of this step
         self.loads: dict = {}                           # pair index -> the uploads into its staging buffer
@@ -96,6 +98,15 @@ class HostKV:
         """Host bytes of the KV cache here: the host rows (the whole caches with CPU attention)."""
         return sum(c.nbytes for c in self.host.values())
 
+    def scratch_bytes(self, max_len: int) -> int:
+        """CPU attention's host scratch at its largest (budget.host_attention_bytes): the float32 scores of the
+        batch with the most host rows [rows, g, max_len] and, for a quantized cache, its dequantized K and V."""
+        if not self.cpu_attention or not self.host:
+            return 0
+        rows = max(c.k[0].shape[0] for c in self.host.values())
+        dequantized = 2 * self.head_dim if self.quantized else 0
+        return rows * max_len * (self.group + dequantized) * 4
+
     def begin_step(self, steps: dict, num_layers: int) -> None:
         """The batches here that run this step ({b: its StepLayout}, in the loop's order): their windows; load the
         first pair."""
@@ -108,10 +119,11 @@ class HostKV:
             self._start_load(0)
 
     def cache_for(self, b: int, layer: int):
-        """The cache the layer computes with: the host one (CPU attention) or its staging buffer, loaded (the
-        next pair's load starts now, into the other buffer)."""
-        if not self.staging:
-            return self.host[b]
+        """The cache the layer computes with: its device and host rows where they lie (CPU attention: the device
+        rows attend on the device, the host rows on the host, kv_attention.split_attention) or its staging
+        buffer, loaded (the next pair's load starts now, into the other buffer)."""
+        if self.cpu_attention:
+            return _SplitView(self.device.get(b), self.host[b], layer, self.heads, self.delegated)
         self.cursor += 1
         assert self.order[self.cursor] == (layer, b), f"zig-zag KV out of order: {(layer, b)}"
         for copy in self.stored_from.pop(self.cursor % 2, []) + self.loads.pop(self.cursor):
@@ -126,8 +138,9 @@ class HostKV:
 
     def store(self, b: int, layer: int) -> None:
         """Copy the layer's rows of batch b back: device rows to their device arrays (after the compute issued so
-        far, on its stream), host rows to the host cache (the copy engine)."""
-        if not self.staging:
+        far, on its stream), host rows to the host cache (the copy engine); nothing with CPU attention (every row
+        was written where it lies)."""
+        if self.cpu_attention:
             return
         slot, positions = self.cursor % 2, self.windows[b][1]
         for device, staged in zip(*self._device_rows(layer, b, slot, positions)):
@@ -182,6 +195,19 @@ def _as_rows(cache):
     return cache.map(flat) if isinstance(cache, QuantizedKV) else flat(cache)
 
 
+class _SplitView:
+    """A batch's device and host rows standing for its whole cache in model.run_layer(layer, ...) with CPU
+    attention: that layer's K and V as kv_attention.SplitRows."""
+
+    def __init__(self, device: KVCache | None, host: KVCache, layer: int, kv_heads: int, link: list):
+        split = lambda name: SplitRows(None if device is None else getattr(device, name)[layer],
+                                       getattr(host, name)[layer], kv_heads, link)
+        self.k, self.v = {layer: split("k")}, {layer: split("v")}
+
+    def layer_step(self, layer: int, step):
+        return step
+
+
 class _LayerView:
     """A staging buffer standing for a batch's whole cache in model.run_layer(layer, ...): it holds that layer."""
 
@@ -231,6 +257,7 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     device_kv = sum(c.nbytes for c in caches.values()) + host_kv.device_bytes
     memory.hold("device", "KV cache", device_kv)                                  # device caches, rows, staging
     memory.hold("host", "KV cache rows", host_kv.host_bytes)
+    memory.hold("host", "host attention scratch", host_kv.scratch_bytes(max_len))  # CPU attention: scores (+ K, V)
     acts = HostActivations(model.ops, arch.hidden_size, policy.act_gpu, memory)
     eos = set() if params.ignore_eos else set(arch.eos_token_ids)
     t_start, prefill = time.perf_counter(), 0.0
@@ -258,6 +285,7 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     acts.finish()
     memory.hold("device", "KV cache", 0)                                          # dropped with the block
     memory.hold("host", "KV cache rows", 0)
+    memory.hold("host", "host attention scratch", 0)
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, device_kv)
     times.kv_bytes_to_device += host_kv.bytes_to_device
     times.kv_bytes_to_host += host_kv.bytes_to_host
