@@ -99,8 +99,9 @@ def plan_layouts(args, arch, dtype: str, gpu_memory: int | None) -> int:
               + (f", per-token latency <= {args.latency_budget:g} ms" if budget else ""),
               f"# layouts: {result.considered} valid, {result.too_big} over the memory, {result.too_slow} over the "
               f"latency budget, {len(result.ranked)} kept"
-              + (f" ({result.offloaded} over the memory planned with offload: weights or KV cache in host memory "
-                 f"or on disk, {human_bytes(hw.host_memory)} host memory a node)" if result.offloaded else "")]
+              + (f" ({result.offloaded} more over the memory, planned with offload: weights or KV cache in host "
+                 f"memory or on disk, {human_bytes(hw.host_memory)} of host memory a node)" if result.offloaded
+                 else "")]
     if not result.ranked:
         print("\n".join(header))
         if args.gpus == 1 and result.considered and result.too_big == result.considered:
