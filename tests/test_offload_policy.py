@@ -371,14 +371,24 @@ def test_cli_profile_writes_a_loadable_profile(run_cli, repo_root, tmp_path):
     assert bad.returncode == 2 and "--disk-dir" in bad.stderr
 
 
-def test_lp_with_cpu_attention_keeps_the_whole_cache_on_the_host():
-    """CPU attention delegates attention over a host cache; the runtime refuses it over a split or device cache
-    (config: cpu_attention needs cache_gpu = 0), so every policy solved with it has the cache all on the host,
-    even where the device could hold it (machine(): everything fits), and pinning the cache to the device is an
-    error naming what CPU attention needs."""
+def test_lp_with_cpu_attention_splits_the_cache_as_the_device_allows():
+    """CPU attention attends each cache row where it lies (device rows on the device, host rows on the host), so
+    the LP may split the cache under it: its attention terms go with each share, and on machine() host attention
+    is ruinous (1 MB/s host memory), so it keeps as many rows on the device as fit, just below all of them
+    (cache_gpu = 100 would delegate nothing: the config refuses it, and pinning it is an error). The device share
+    grows with the device budget; at DEVICE_FOR_CACHE - KV / 2 even the auto choice delegates over a split (it
+    needs no staging buffers, which the plain policy's staged cache does)."""
     p, pred = solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True)
-    assert p.cpu_attention and (p.cache_gpu, p.cache_cpu) == (0, 100) and pred.fits
-    with pytest.raises(ValueError, match=r"cache_gpu = 0, cache_cpu = 100"):
+    assert p.cpu_attention and (p.cache_gpu, p.cache_cpu) == (99, 1) and pred.fits
+    shares = []
+    for device in (DEVICE_FOR_CACHE - KV // 2, DEVICE_FOR_CACHE - KV // 4, DEVICE_FOR_CACHE):
+        p, pred = solve_placement(ARCH, S, N, 2, 1, machine(device=device), cpu_attention=True)
+        assert p.cpu_attention and 0 < p.cache_gpu < 100 and p.cache_gpu + p.cache_cpu == 100 and pred.fits
+        shares.append(p.cache_gpu)
+    assert shares == sorted(shares) and len(set(shares)) == 3
+    auto, _ = solve_placement(ARCH, S, N, 2, 1, machine(device=DEVICE_FOR_CACHE - KV // 2))
+    assert auto.cpu_attention and 0 < auto.cache_gpu < 100
+    with pytest.raises(ValueError, match=r"cache_gpu < 100"):
         solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True, fixed={"cache_gpu": 100})
-    with pytest.raises(ValueError, match=r"cache_cpu <= 50"):
-        solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True, fixed={"cache_cpu": 50})
+    p, _ = solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True, fixed={"cache_cpu": 50})
+    assert (p.cache_gpu, p.cache_cpu) == (50, 50)

@@ -1,8 +1,8 @@
 """`hpcinfer plan` prints a plan that runs as printed: its TOML (the `[offload]` and `[generate]` sections), read
 by the project's config loader, passes the runtime's budget check (budget.check_budgets), places the layers the
 comments say (tiers.place_layers), and the cost model's peak for it is the runtime's plan (budget.plan_bytes)
-plus only what the budget check does not count (CostTerms.uncounted: work(b) on the device, host attention
-scratch and the disk layers' streaming window in host memory), so the printed peak is an upper bound of what the
+plus only what the budget check does not count (CostTerms.uncounted: work(b) on the device and the disk
+layers' streaming window in host memory; the host attention scratch of CPU attention is counted by both), so the printed peak is an upper bound of what the
 runtime allocates, equal to it but for those named terms.
 
 Cases: the tiny test model and a pyramid-MoE one (layers of different sizes) with weights spilled to disk, the
@@ -113,6 +113,13 @@ def test_printed_plan_passes_the_runtime_budget_check(capsys, tmp_path, model, d
         assert predicted[tier] >= runtime[tier] - 1e-3
     for tier, key in (("device", "device_memory"), ("host", "host_memory")):
         assert runtime[tier] <= off[key]
+
+
+def test_a_printed_plan_delegates_attention_over_a_split_cache(capsys, tmp_path):
+    """The first case's plan (tiny-dense float32, 600 KB device) splits the cache with CPU attention (device rows
+    attend on the device, host rows on the host); the parametrized test above checks that it runs as printed."""
+    off = tomllib.loads(plan_toml(capsys, tmp_path, *CASES[0]))["offload"]
+    assert off["cpu_attention"] and 0 < off["cache_gpu"] < 100 and off["cache_gpu"] + off["cache_cpu"] == 100
 
 
 def test_gpt_neox_20b_float16_on_a100_fits_what_the_audit_reproduced(capsys, tmp_path):

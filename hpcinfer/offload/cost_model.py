@@ -13,12 +13,15 @@ cd = hd = 0 (and, for the row schedule, the cache and the activations on the dev
 Every cost term is a `Linear` function of the nine fractions, so the same expressions give the prediction for a
 policy (`predict`) and the rows of the linear program (lp.py). Per layer, for the whole block (FlexGen A.3):
 
-  prefill, one layer, all B sequences of s tokens (Ap = B s act (L + 1) / L, Cp = B s kv):
+  prefill, one layer, all B sequences of s tokens (Ap = B s act (L + 1) / L, Cp = B s kv, Qp = B s q):
     host_to_device  (wc + wd) W r + (hc + hd) Ap                 weights in, stored activations back
+                                 [+ (cc + cd) Qp, CPU attention: the host rows' outputs come in]
     device_to_host  (cc + cd) Cp + (hc + hd) Ap                  the new cache and the layer's output out
+                                 [+ (cc + cd) Qp, CPU attention: the host rows' queries go out]
     disk_to_host    wd W r + hd Ap
     host_to_disk    cd Cp + hd Ap
-    compute         k max(b (s f + f_head / L) / F_dev, W / BW_dev) + B 4 q' s^2 / F_dev
+    compute         k max(b (s f + f_head / L) / F_dev, W / BW_dev) + cg B 4 q' s^2 / F_dev
+                    + (cc + cd) B 4 q' s^2 / F_host [CPU attention; F_dev without]
   decode, one layer, one token of all B sequences, averaged over the n - 1 steps: the cache holds s + n/2
   tokens on average (FlexGen's (s + n/2)); Ag = B act (L + 1) / L, Cg = B (s + n/2) kv, Cn = B kv, Q = B q
   (host activation rows are stored after and loaded before each of the L + 1 boundaries of a step: the embedding
@@ -45,14 +48,18 @@ finishes with the last step).
 Peak memory per tier (FlexGen A.3's "home" plus working-set terms; the prefill peak, which is the larger):
     device  E + wg W L + (1 - wg) W (p + 1) + cg KV + hg A + work(b)
             + [cc + cd > 0, no CPU attention] 2 b (s + n) kv + [hc + hd > 0] 2 b s act      (staging: a step)
-    host    wc W L + wd W (p + 1) + cc KV + hc A + hd 2 b s act + cd 2 b (s + n) kv + [CPU attention] scores
+    host    wc W L + wd W (p + 1) + cc KV + hc A + hd 2 b s act + cd 2 b (s + n) kv
+            + [CPU attention] (cc + cd) scores   (host attention scratch: b (s + n) (H 4 [+ Hkv 2 hd 4, quantized]))
     disk    wd W L + cd KV + hd A
   KV = B (s + n) kv L (zig-zag allocates the whole block's cache, FlexGen A.2), A = B s act (one layer boundary
   of the block); the row schedule finishes one GPU batch before starting the next, so there B = b in KV and A.
   p = prefetch_layers (streamed layers resident: current + prefetched); work(b) = one GPU batch's transient
   tensors (qkv, scores or the MLP intermediate, the logits), FlexGen's qkv/att/mlp peak terms.
+  With CPU attention the cache may be split too: every row attends where it lies (device rows on the device,
+  host rows on the host), so each attention term above goes with its share, cg at the device's rates and
+  cc + cd at the host's, and only the host share's q and outputs cross: all linear in the fractions.
   Staging (`Staging`, what offload/zigzag.py allocates): as soon as ANY cache row of a GPU batch is off the device
-  the runtime holds two device buffers of one layer of a GPU batch's cache (one loading while the other
+  (and attention is not delegated) the runtime holds two device buffers of one layer of a GPU batch's cache (one loading while the other
   computes), whatever the prefetch depth, and likewise two [b s, D] buffers for the activations; none while that
   part is wholly on the device. A step function, not linear: `CostTerms.peak` (the prediction) counts it exactly,
   with each share rounded to whole rows per GPU batch as budget.device_rows rounds it, and lp.py solves the LP on
@@ -130,6 +137,8 @@ class ModelSizes:
     vocab: int
     itemsize: int
     kv_heads: int = 1            # Hkv: a GPU batch's cache is b Hkv rows (sequence, KV head) per layer
+    kv_dequant_bytes: int = 0    # a quantized cache: float32 K and V of one token and KV head, which host
+                                 # attention dequantizes into scratch (2 hd 4); 0 for a float32 cache
     layers: tuple = ()           # bytes of each decoder layer (the exact peak places whole layers: tiers.place_layers)
 
     @classmethod
@@ -158,7 +167,8 @@ class ModelSizes:
                    query_width=arch.q_size, heads=arch.num_heads,
                    flops_per_token=layer_flops / L, head_flops=2.0 * arch.vocab_size * arch.hidden_size,
                    intermediate=arch.intermediate_size * (2 if arch.gated_mlp else 1), vocab=arch.vocab_size,
-                   itemsize=isz, kv_heads=arch.num_kv_heads, layers=each)
+                   itemsize=isz, kv_heads=arch.num_kv_heads, layers=each,
+                   kv_dequant_bytes=0 if kv_format is None else 2 * arch.head_dim * ACT_ITEMSIZE)
 
 
 @dataclass(frozen=True)
@@ -229,7 +239,7 @@ class CostTerms:
     layers: tuple = ()           # bytes of each decoder layer: the exact weights of `peak` (whole layers)
     resident: int = 1            # streamed layers on the device at once (prefetch_layers + 1)
     transient: dict = field(default_factory=dict)  # tier -> bytes of `peak` the runtime's budget check does not
-                                                   # count (work(b), host attention scratch; disk: see peak)
+                                                   # count (work(b); disk: see peak)
 
     def layer_time(self, terms: dict, fractions: dict) -> float:
         values = [terms[link](fractions) for link in LINKS]
@@ -358,11 +368,14 @@ class CostModel:
         linear_p = k * max(b * (s * z.flops_per_token + z.head_flops / L) / hw.device_flops,
                            W / hw.device_bandwidth)
         attn_p = B * 4.0 * z.query_width * s * s / hw.device_flops
+        attn_p_host = B * 4.0 * z.query_width * s * s / hw.host_flops if cpu_attention else attn_p
+        Qp = cpu * B * s * z.query_bytes                      # CPU attention: host rows' q down, outputs up
         prefill = {
-            "compute": lin(linear_p + attn_p),
+            "compute": lin(linear_p, cg=attn_p, cc=attn_p_host, cd=attn_p_host),
             "host_to_device": lin(wc=W * reloads / hw.host_to_device, wd=W * reloads / hw.host_to_device,
-                                  hc=Ap / hw.host_to_device, hd=Ap / hw.host_to_device),
-            "device_to_host": lin(cc=Cp / hw.device_to_host, cd=Cp / hw.device_to_host,
+                                  hc=Ap / hw.host_to_device, hd=Ap / hw.host_to_device,
+                                  cc=Qp / hw.host_to_device, cd=Qp / hw.host_to_device),
+            "device_to_host": lin(cc=(Cp + Qp) / hw.device_to_host, cd=(Cp + Qp) / hw.device_to_host,
                                   hc=Ap / hw.device_to_host, hd=Ap / hw.device_to_host),
             "disk_to_host": lin(wd=W * reloads / hw.disk_to_host, hd=Ap / hw.disk_to_host),
             "host_to_disk": lin(cd=Cp / hw.host_to_disk, hd=Ap / hw.host_to_disk),
@@ -411,20 +424,22 @@ class CostModel:
         qkv = b * s * (2 * z.act_bytes + z.query_bytes + z.kv_bytes)
         widest = b * max(z.heads * s * s, s * z.intermediate) * ACT_ITEMSIZE    # float32, as computed
         work = qkv + widest + b * z.vocab * 4                       # + float32 logits of the GPU batch
-        scores = b * z.heads * (s + n) * 4 if cpu_attention else 0  # host attention scratch (float32)
+        # host attention scratch (budget.host_attention_bytes): float32 scores of a GPU batch's host rows and, for a
+        # quantized cache, their dequantized K and V: in proportion to the host share of the rows
+        scores = b * (s + n) * (z.heads * 4 + z.kv_heads * z.kv_dequant_bytes) if cpu_attention else 0
         lin = Linear.of
         Wmax = max(z.layers, default=W)                             # the streaming window holds the largest
         weights = {"device": lin(Wmax * resident, wg=Wt - Wmax * resident), "host": lin(wc=Wt, wd=Wmax * resident),
                    "disk": lin(wd=Wt)}
         device = weights["device"] + lin(z.table_bytes + work, cg=KV, hg=A)
-        host = weights["host"] + lin(scores, cc=KV, cd=batch_cache, hc=A, hd=batch_act)
+        host = weights["host"] + lin(cc=KV + scores, cd=batch_cache + scores, hc=A, hd=batch_act)
         disk = weights["disk"] + lin(cd=KV, hd=A)
         staging = (Staging("cache", "cg", ("cc", "cd"), rows=b * z.kv_heads, groups=groups,
                            row_bytes=(s + n) * z.kv_bytes * L / z.kv_heads,
                            buffers=0.0 if cpu_attention else batch_cache),
                    Staging("act", "hg", ("hc", "hd"), rows=b * s, groups=groups, row_bytes=z.act_bytes,
                            buffers=batch_act))
-        transient = {"device": work, "host": scores, "disk": 0}
+        transient = {"device": work, "host": 0, "disk": 0}
         return {"device": device, "host": host, "disk": disk}, staging, weights, transient
 
     def predict(self, policy: Policy) -> Prediction:

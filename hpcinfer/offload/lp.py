@@ -229,18 +229,27 @@ def _cases(terms: CostTerms, bounds: list) -> list:
     return cases
 
 
+# With CPU attention the cache's device share stays below all of it: at cache_gpu = 100 there is nothing to
+# delegate (the config refuses it; that is the plain policy, solved with cpu_attention = false).
+DELEGATED_CACHE_GPU_MAX = 0.99
+
+
 def _cache_bounds(bounds: list, cpu_attention: bool) -> list:
-    """The bounds to solve with: CPU attention attends a cache that lives wholly in host memory (the runtime
-    refuses it over a split cache, and with the cache all on the device it would delegate nothing: that is the
-    plain policy, solved with cpu_attention = false), so it is solved with cache_gpu = 0, cache_cpu = 100."""
-    cg, cc = VARIABLES.index("cg"), VARIABLES.index("cc")
+    """The bounds to solve with: CPU attention attends each row where it lies, device rows on the device and host
+    rows on the host (offload/zigzag.py), so any split of the cache is its to choose, cache_gpu in [0, 1): the
+    device share is capped at DELEGATED_CACHE_GPU_MAX. Where cache_gpu may be 0 the cache wholly on the host is
+    solved as a case of its own too (no rows to round, so no rounding slack: _case_problem)."""
+    cg = VARIABLES.index("cg")
     if not cpu_attention:
         return [bounds]
-    if bounds[cg][0] > 0 or bounds[cc][1] < 1:
-        raise ValueError(f"cache_gpu >= {100 * bounds[cg][0]:g}, cache_cpu <= {100 * bounds[cc][1]:g} with "
-                         f"cpu_attention: CPU attention needs the cache in host memory (cache_gpu = 0, "
-                         f"cache_cpu = 100)")
-    return [[(0.0, 0.0) if i == cg else (1.0, 1.0) if i == cc else b for i, b in enumerate(bounds)]]
+    if bounds[cg][0] > DELEGATED_CACHE_GPU_MAX:
+        raise ValueError(f"cache_gpu >= {100 * bounds[cg][0]:g} with cpu_attention: CPU attention attends the "
+                         f"cache rows in host memory, so it needs cache_gpu < 100 (at most "
+                         f"{100 * DELEGATED_CACHE_GPU_MAX:g} here); solve without cpu_attention for a cache on the "
+                         f"device")
+    split = [[(lo, min(hi, DELEGATED_CACHE_GPU_MAX)) if i == cg else (lo, hi) for i, (lo, hi) in enumerate(bounds)]]
+    host = [[(0.0, 0.0) if i == cg else b for i, b in enumerate(bounds)]] if bounds[cg][0] == 0 else []
+    return host + split
 
 
 def _case_problem(terms: CostTerms, profile: HardwareProfile, staged: frozenset, bounds: list) -> "_Problem":
