@@ -2,8 +2,8 @@
 by the project's config loader, passes the runtime's budget check (budget.check_budgets), places the layers the
 comments say (tiers.place_layers), and the cost model's peak for it is the runtime's plan (budget.plan_bytes)
 plus only what the budget check does not count (CostTerms.uncounted: work(b) on the device and the disk
-layers' streaming window in host memory; the host attention scratch of CPU attention is counted by both), so the printed peak is an upper bound of what the
-runtime allocates, equal to it but for those named terms.
+layers' streaming window in host memory; both count CPU attention's host scratch), so the printed peak is an
+upper bound of what the runtime allocates, equal to it but for those named terms.
 
 Cases: the tiny test model and a pyramid-MoE one (layers of different sizes) with weights spilled to disk, the
 KV cache split or on the host, float32 / float16 / bfloat16, int4 weights and an int8 KV cache, and the
