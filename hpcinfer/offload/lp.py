@@ -65,6 +65,8 @@ def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_si
     bounds = _whole_layer_bounds(_bounds(fixed or {}, schedule), arch.num_layers)
     best, first_error, unplaced = None, None, None
     for cpu in _cpu_choices(cpu_attention, schedule):
+        if cpu and cpu_attention is None and bounds[VARIABLES.index("cg")][0] > DELEGATED_CACHE_GPU_MAX:
+            continue                                # auto, with the cache pinned to the device: nothing to delegate
         terms = model.terms(gpu_batch_size, num_gpu_batches, cpu, schedule, prefetch_layers)
         problems = [_case_problem(terms, profile, staged, case_bounds)
                     for cpu_bounds in _cache_bounds(bounds, cpu) for staged, case_bounds in _cases(terms, cpu_bounds)]
