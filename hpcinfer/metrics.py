@@ -215,6 +215,8 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
             "peak_device_bytes_per_rank": max(r.times.kv_peak_device_bytes for r in reports),
             "offloaded_bytes_to_host": sum(r.times.kv_bytes_to_host for r in reports),
             "fetched_bytes_to_device": sum(r.times.kv_bytes_to_device for r in reports),
+            "delegated_bytes_to_host": sum(getattr(r.times, "attention_bytes_to_host", 0) for r in reports),
+            "delegated_bytes_to_device": sum(getattr(r.times, "attention_bytes_to_device", 0) for r in reports),
         },
         "activations": {                                  # zig-zag hidden states ([offload] act_gpu / act_cpu)
             "peak_device_bytes_per_rank": max(r.times.act_peak_device_bytes for r in reports),

@@ -80,6 +80,7 @@ def test_split_cpu_attention_gives_the_all_on_device_tokens(prompts, references,
     assert times.kv_bytes_to_device == times.kv_bytes_to_host == 0             # no cache byte crosses the link
     assert host_kv.staging == []
     assert tuple(host_kv.delegated) == delegated_bytes(cache_gpu, num_gpu_batches, 4, 1)
+    assert (times.attention_bytes_to_host, times.attention_bytes_to_device) == tuple(host_kv.delegated)
     assert times.kv_peak_device_bytes == sum(c.nbytes for c in host_kv.device.values())
     for b, batch in enumerate(micro_batches(len(PROMPT_LENGTHS), num_gpu_batches)):
         rows, R = len(batch) * 4, device_rows(len(batch) * 4, cache_gpu)

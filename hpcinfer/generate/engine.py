@@ -69,6 +69,8 @@ class StepTimes:
     kv_bytes_to_host: int = 0
     kv_bytes_to_device: int = 0
     kv_peak_device_bytes: int = 0
+    attention_bytes_to_host: int = 0       # [offload] cpu_attention: host rows' q, k, v down (NumPy: "down" =
+    attention_bytes_to_device: int = 0     # to the host attention) and their outputs up
     act_bytes_to_host: int = 0             # zig-zag activations' host rows ([offload] act_gpu < 100)
     act_bytes_to_device: int = 0
     act_peak_device_bytes: int = 0         # their device rows + staging buffers, or the held hidden states

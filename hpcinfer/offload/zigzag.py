@@ -289,6 +289,8 @@ def run_block_zigzag(model, prompts, indices, params, times, policy) -> list:
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, device_kv)
     times.kv_bytes_to_device += host_kv.bytes_to_device
     times.kv_bytes_to_host += host_kv.bytes_to_host
+    times.attention_bytes_to_host += host_kv.delegated[0]                       # CPU attention: q, k, v down
+    times.attention_bytes_to_device += host_kv.delegated[1]                     # and the outputs up
     times.act_peak_device_bytes = max(times.act_peak_device_bytes, acts.peak_device_bytes)
     times.act_bytes_to_device += acts.bytes_to_device
     times.act_bytes_to_host += acts.bytes_to_host
