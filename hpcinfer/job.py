@@ -290,6 +290,9 @@ def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: f
             metrics["offload"].update(report)
             print(f"hpcinfer: offload: measured {report['measured_s']:.3g} s, cost model predicted "
                   f"{report['predicted_s']:.3g} s on profile {report['profile']}", flush=True)
+        else:
+            print("hpcinfer: offload: no cost-model prediction to compare (set [offload] profile to a preset or "
+                  "to a file from `hpcinfer profile --out FILE`)", flush=True)
     resumed = f" ({len(job.skip)} of them done by an earlier run)" if job.skip else ""
     print(f"hpcinfer: {metrics['generated_tokens']} tokens generated for {len(records)} prompts{resumed} in "
           f"{metrics['generate_s']:.2f} s ({metrics['tokens_per_s']:.1f} tokens/s); results in "

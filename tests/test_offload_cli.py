@@ -199,6 +199,7 @@ def test_zigzag_moves_fewer_weight_bytes_than_row_by_row(job, reference, tmp_pat
         done = job.run(out, *HOST, f'offload.schedule="{schedule}"', "offload.num_gpu_batches=4", n=1)
         assert done.returncode == 0, done.stderr
         assert (out / "output.jsonl").read_text() == (reference / "output.jsonl").read_text()
+        assert "set [offload] profile" in done.stdout                # no profile: how to get the prediction
         moved[schedule] = metrics_of(out)["offload"]["weights_bytes_from_host"]
     # EOS ends sequences at different steps, so row is below 4x; it is still far above zig-zag.
     assert 2 * moved["zigzag"] <= moved["row"] <= 4 * moved["zigzag"], moved
@@ -250,6 +251,7 @@ def test_a_profile_reports_the_cost_models_prediction_beside_the_measured_time(j
     again = predicted_vs_measured(job.arch, config, list(PROMPT_LENGTHS), blocks, off["measured_s"])
     assert off["predicted_s"] == pytest.approx(again["predicted_s"], rel=1e-12)
     assert "cost model predicted" in done.stdout and "t4-16gb" in done.stdout
+    assert "set [offload] profile" not in done.stdout
 
 
 # ------------------------------------------------------------------------------------------------------- MoE
