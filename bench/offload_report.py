@@ -91,6 +91,7 @@ def ratios(runs: dict) -> dict:
         "plan: search_policy / host: row": r("plan: search_policy", "host: row"),
         "plan: search_policy / host: zig-zag": r("plan: search_policy", "host: zig-zag"),
         "plan: search_policy / plan: no overlap": r("plan: search_policy", "plan: no overlap"),
+        "plan: search_policy / plan: prefetch 1": r("plan: search_policy", "plan: prefetch 1"),
         "plan: search_policy / plan: no CPU attention": r("plan: search_policy", "plan: no CPU attention"),
         "plan: search_policy / plan: row schedule": r("plan: search_policy", "plan: row schedule"),
     }

@@ -89,12 +89,17 @@ def kv_setups(args) -> list[Setup]:
 
 
 def plan_ablations(plan) -> list:
-    """FlexGen's Table 4 on the LP's policy (a Setup): the same policy without overlap (prefetch_layers = 0),
+    """FlexGen's Table 4 on the LP's policy (a Setup): the same policy without overlap (prefetch_layers = 0) or,
+    when the plan itself has none (a NumPy-measured profile: transfers share the cores), with it (prefetch 1),
     without CPU attention (when it had it), and with ZeRO-Inference's row-by-row schedule (the same placement and
     GPU batches)."""
     keys = plan.keys
-    out = [Setup("plan: no overlap", "policy", "the LP's policy, prefetch_layers = 0",
-                 {**keys, "prefetch_layers": 0})]
+    if keys.get("prefetch_layers", 1) > 0:
+        out = [Setup("plan: no overlap", "policy", "the LP's policy, prefetch_layers = 0",
+                     {**keys, "prefetch_layers": 0})]
+    else:
+        out = [Setup("plan: prefetch 1", "policy", "the LP's policy with overlap: prefetch_layers = 1",
+                     {**keys, "prefetch_layers": 1})]
     if keys.get("cpu_attention"):
         out.append(Setup("plan: no CPU attention", "policy", "the LP's policy, cpu_attention off",
                          {**keys, "cpu_attention": False}))

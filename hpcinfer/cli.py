@@ -85,7 +85,10 @@ def _offload_parsers(sub) -> None:
     plan.add_argument("--kv-cache-group", type=int, default=64, help="KV cache group size (default 64)")
     plan.add_argument("--schedule", default="zigzag", choices=["zigzag", "row"],
                       help="zigzag (FlexGen's block schedule, default) or row (ZeRO-Inference)")
-    plan.add_argument("--prefetch-layers", type=int, default=1, help="layers fetched ahead; 0 = no overlap")
+    plan.add_argument("--prefetch-layers", type=int, default=None,
+                      help="layers fetched ahead; 0 = no overlap (default: 1 when the profile's transfers overlap "
+                           "the compute, as on a GPU; 0 on a profile measured by the NumPy backend, where they "
+                           "share the cores)")
     plan.add_argument("--cpu-attention", default="auto", choices=["auto", "on", "off"],
                       help="decode attention on the host for host-resident cache (default: whichever is faster)")
     plan.add_argument("--fix", action="append", default=[], metavar="KEY=PERCENT",
@@ -352,7 +355,7 @@ def _plan(args) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_latency is not None and not args.max_latency > 0:
         raise ConfigError(f"--max-latency must be > 0 seconds, got {args.max_latency:g}")
-    if args.prefetch_layers < 0:
+    if args.prefetch_layers is not None and args.prefetch_layers < 0:
         raise ConfigError(f"--prefetch-layers must be >= 0, got {args.prefetch_layers}")
     arch, stored_dtype = _plan_model(args.model)
     dtype = args.dtype or stored_dtype

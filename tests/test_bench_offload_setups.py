@@ -22,6 +22,17 @@ def test_each_ablation_removes_one_thing_from_the_plan():
     assert plan.keys == PLAN                                             # the plan itself is untouched
 
 
+def test_a_plan_without_overlap_is_compared_with_overlap_on():
+    """On a NumPy-measured profile the plan has prefetch_layers = 0 (lp.default_prefetch): its Table 4 pair is
+    then the same policy with prefetch 1, and the ratio says which is faster."""
+    keys = {**PLAN, "prefetch_layers": 0}
+    got = {s.name: s.keys for s in plan_ablations(Setup("plan: search_policy", "policy", "", keys))}
+    assert "plan: no overlap" not in got and got["plan: prefetch 1"] == {**keys, "prefetch_layers": 1}
+    runs = {name: {"name": name, "tokens_per_s": tps, "weights_bytes_from_host": 1}
+            for name, tps in (("plan: search_policy", 50.0), ("plan: prefetch 1", 40.0))}
+    assert ratios(runs)["plan: search_policy / plan: prefetch 1"] == pytest.approx(50 / 40)
+
+
 @pytest.mark.parametrize("cache_gpu, cpu_attention, row", [(100, False, True), (0, False, False),
                                                            (100, True, False)])
 def test_the_row_ablation_only_where_the_runtime_allows_row(cache_gpu, cpu_attention, row):

@@ -392,3 +392,20 @@ def test_lp_with_cpu_attention_splits_the_cache_as_the_device_allows():
         solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True, fixed={"cache_gpu": 100})
     p, _ = solve_placement(ARCH, S, N, 2, 1, machine(), cpu_attention=True, fixed={"cache_cpu": 50})
     assert (p.cache_gpu, p.cache_cpu) == (50, 50)
+
+
+def test_the_default_prefetch_follows_the_profiles_overlap():
+    """No prefetch_layers given: 1 where transfers overlap the compute (a GPU profile or preset), 0 where they share
+    its cores (a NumPy-measured profile, overlap = false: the cost model adds the terms, so a prefetch window buys
+    nothing and holds a layer of device memory); an explicit value is kept either way."""
+    import dataclasses
+
+    from hpcinfer.offload.lp import default_prefetch
+
+    gpu = machine()
+    cpu = dataclasses.replace(gpu, overlap=False)
+    assert gpu.overlap and (default_prefetch(gpu), default_prefetch(cpu)) == (1, 0)
+    assert solve_placement(ARCH, S, N, 2, 1, gpu)[0].prefetch_layers == 1
+    assert solve_placement(ARCH, S, N, 2, 1, cpu)[0].prefetch_layers == 0
+    assert search_policy(ARCH, S, N, cpu, gpu_batch_sizes=[2], num_gpu_batches=[1])[0].prefetch_layers == 0
+    assert solve_placement(ARCH, S, N, 2, 1, cpu, prefetch_layers=2)[0].prefetch_layers == 2

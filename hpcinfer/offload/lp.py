@@ -50,9 +50,11 @@ class PlacementError(ConfigError):
 
 def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_size: int, num_gpu_batches: int,
                     profile: HardwareProfile, max_latency: float | None = None, *, cpu_attention: bool | None = None,
-                    schedule: str = "zigzag", prefetch_layers: int = 1, dtype: str = "float32",
+                    schedule: str = "zigzag", prefetch_layers: int | None = None, dtype: str = "float32",
                     fixed: dict | None = None, quant_of=None, kv_format=None) -> tuple[Policy, Prediction]:
     """The best placement for one block shape: (the policy with rounded percentages, its prediction).
+
+    prefetch_layers None: default_prefetch(profile).
 
     cpu_attention None: solve with and without CPU delegation and keep the faster (without, on a tie).
     fixed: Policy percentages to hold, e.g. {"cache_gpu": 100, "act_gpu": 100} (ZeRO-Inference keeps the cache
@@ -61,6 +63,7 @@ def solve_placement(arch: ModelArch, prompt_len: int, gen_len: int, gpu_batch_si
     kv_format: a quantized KV cache (quant.kv.KVFormat): its bytes are what the cache terms count and move.
     Raises PlacementError naming the tier that does not fit, or max_latency when only the latency does not.
     """
+    prefetch_layers = default_prefetch(profile) if prefetch_layers is None else prefetch_layers
     model = CostModel(arch, prompt_len, gen_len, profile, dtype, quant_of, kv_format)
     bounds = _whole_layer_bounds(_bounds(fixed or {}, schedule), arch.num_layers)
     best, first_error, unplaced = None, None, None
@@ -112,9 +115,17 @@ def _unplaced_error(x: np.ndarray, problem: "_Problem", b: int, k: int, cpu_atte
                           f"{counts[0]}/{counts[1]}/{counts[2]} layers on device/host/disk {what}", tier)
 
 
+def default_prefetch(profile: HardwareProfile) -> int:
+    """Layers to fetch ahead when the caller does not say: 1 where transfers overlap the compute (a GPU's copy
+    engine), 0 where they share its cores (profile.overlap false, a NumPy-measured profile): there a prefetch
+    thread only competes with the compute and its window holds a layer of device memory for nothing (measured:
+    bench/results/offload-2026-11-26.md, prefetch 1 at 0.78-0.90x of prefetch 0 in every pair)."""
+    return 1 if profile.overlap else 0
+
+
 def search_policy(arch: ModelArch, prompt_len: int, gen_len: int, profile: HardwareProfile,
                   max_latency: float | None = None, *, gpu_batch_sizes=None, num_gpu_batches=None,
-                  cpu_attention: bool | None = None, schedule: str = "zigzag", prefetch_layers: int = 1,
+                  cpu_attention: bool | None = None, schedule: str = "zigzag", prefetch_layers: int | None = None,
                   dtype: str = "float32", fixed: dict | None = None,
                   quant_of=None, kv_format=None) -> tuple[Policy, Prediction, list[tuple[Policy, Prediction]]]:
     """FlexGen's two-level search: every (gpu_batch_size, num_gpu_batches) of the grid, the LP for each.

@@ -24,7 +24,7 @@ DEFAULT_HARDWARE = "dgx-a100-40gb"
 # layout planner's offloaded layouts use the zig-zag schedule, one layer of prefetch, no CPU attention and no
 # --fix (perf/offload.py), so given with --gpus they would be silently ignored. --host-memory and --disk-memory
 # are read (a node's capacities, shared by its ranks), --disk-dir too (the printed disk_dir).
-OFFLOAD_ONLY = {"schedule": "zigzag", "prefetch_layers": 1, "cpu_attention": "auto", "fix": [],
+OFFLOAD_ONLY = {"schedule": "zigzag", "prefetch_layers": None, "cpu_attention": "auto", "fix": [],
                 "max_latency": None, "candidates": 10, "backend": "auto"}
 _INSTEAD = {"max_latency": " (with --gpus: --latency-budget MS)", "candidates": " (with --gpus: --top K)"}
 
