@@ -130,6 +130,25 @@ def test_cost_model_by_hand():
     assert flat.peak["device"] == pytest.approx(TABLES + W + KV + ACT + WORK)             # 1 layer, 1 buffer
 
 
+def test_decode_reads_weights_at_the_gemv_bandwidth():
+    """Everything on the device; gemv_bandwidth 1e8 (device_bandwidth 1e10): a decode step's linear layers read
+    W = 197632 bytes at 1e8 B/s = 1.97632e-3 s, above their FLOPs 2 (98816 + 2048) / 1e9 = 2.01728e-4 s, so the
+    weight term binds; attention (the cache read) keeps the device's rates: 5.12e-6 s. Prefill's roofline is
+    unchanged (its FLOPs bind: 1.585152e-3 s + attention). A gemv figure above device_bandwidth changes nothing."""
+    plain = CostModel(ARCH, S, N, HardwareProfile(device_memory=10**9, host_memory=10**9, disk_memory=10**9,
+                                                  **RATES), "float32").predict(policy())
+    hw = HardwareProfile(device_memory=10**9, host_memory=10**9, disk_memory=10**9, gemv_bandwidth=1e8, **RATES)
+    pred = CostModel(ARCH, S, N, hw, "float32").predict(policy())
+    attention = B * (S + N / 2) * 4 * 64 / 1e9                                             # 5.12e-6
+    assert plain.decode_terms["compute"] == pytest.approx(2 * (98816 + 2048) / 1e9 + attention)
+    assert pred.decode_terms["compute"] == pytest.approx(W / 1e8 + attention)             # 1.98144e-3
+    assert pred.decode_s == pytest.approx(4 * 3 * (W / 1e8 + attention))
+    assert pred.prefill_terms == plain.prefill_terms
+    assert plain.prefill_terms["compute"] == pytest.approx(2 * (S * 98816 + 8192 / 4) / 1e9 + B * 4 * 64 * S * S / 1e9)
+    fast = HardwareProfile(device_memory=10**9, host_memory=10**9, disk_memory=10**9, gemv_bandwidth=1e11, **RATES)
+    assert CostModel(ARCH, S, N, fast, "float32").predict(policy()).decode_terms == plain.decode_terms
+
+
 def test_cost_model_adds_the_terms_when_transfers_share_the_compute_cores(tmp_path):
     """A NumPy-measured profile (overlap = false): a 'transfer' is a memcpy on the cores that compute, so a layer
     costs the sum of its terms even with prefetch. Weights all on the host, the rest on the device; per layer:

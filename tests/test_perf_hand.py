@@ -137,3 +137,31 @@ def test_pipeline_send_across_nodes_uses_the_inter_node_link():
     layout = Layout(tp=1, pp=2, dp=1, prompt_micro_batches=2, gen_micro_batches=2, ranks_per_node=1)
     p = predict(_tiny(), layout, Workload(2, 8, 2, "float32"), hw)
     assert p.stage_comm_s == pytest.approx(2.0)
+
+
+# ---- decode's weight reads at the profile's small-batch rate (gemv_bandwidth) -----------------------------------
+
+def test_token_step_reads_weights_at_the_gemv_bandwidth():
+    # 1 sequence, prompt 8, 2 generated: the token step attends c = 8 + 2/2 = 9 positions; compute is free (1e12)
+    # and memory reads 1000 B/s. Per layer: weights 4 * 128 = 512 bytes, K and V 9 * 2 * 4 * 4 = 288 bytes; the
+    # LM head 16 * 4 * 4 = 256 bytes. Without gemv_bandwidth: (2 * (512 + 288) + 256) / 1000 = 1.856 s.
+    # gemv_bandwidth 500: weights at 500, the cache still at 1000: 2 * (512/500 + 288/1000) + 256/500 = 3.136 s.
+    # The prompt step keeps the streaming rate: 2 * (512 + 8 * 32) + 256 = 1792 bytes / 1000 = 1.792 s.
+    work, layout = Workload(1, 8, 2, "float32"), Layout(tp=1, pp=1, dp=1)
+    base = predict(_tiny(), layout, work, _hw(1e12, 1e3))
+    slow = predict(_tiny(), layout, work, dataclasses.replace(_hw(1e12, 1e3), gemv_bandwidth=500.0))
+    assert base.token_s == pytest.approx(1.856) and slow.token_s == pytest.approx(3.136)
+    assert base.prompt_s == slow.prompt_s == pytest.approx(1.792)
+    # a gemv figure above the streaming one changes nothing: decode_bandwidth = min(gemv, device_bandwidth)
+    fast = predict(_tiny(), layout, work, dataclasses.replace(_hw(1e12, 1e3), gemv_bandwidth=4e3))
+    assert fast.token_s == base.token_s
+
+
+def test_moe_token_step_reads_its_experts_at_the_gemv_bandwidth():
+    # test_moe_layer_adds_the_experts_flops_and_bytes's layer, bandwidth-bound at 1000 B/s, gemv 500: the dense
+    # weights (256 bytes) and the expert hit (256 bytes) at 500 B/s, K and V (320 bytes) at 1000: 1.344 s; the same
+    # layer in a prompt step (decode False) stays at 0.832 s
+    arch, layout = _tiny(moe_experts=(4, 0)), Layout(tp=1, pp=1, dp=1)
+    hw = dataclasses.replace(_hw(1e12, 1e3), gemv_bandwidth=500.0)
+    assert layer_time(arch, 0, layout, 1, 1, 10, F32, hw, NO_LINK, decode=True)[0] == pytest.approx(1.344)
+    assert layer_time(arch, 0, layout, 1, 1, 10, F32, hw, NO_LINK)[0] == pytest.approx(0.832)

@@ -31,9 +31,12 @@ policy (`predict`) and the rows of the linear program (lp.py). Per layer, for th
     device_to_host  (cc + cd) Cn + (hc + hd) Ag [+ (cc + cd) Q, CPU attention: the query goes out]
     disk_to_host    wd W r + hd Ag + cd Cg
     host_to_disk    cd Cn + hd Ag
-    compute         k max(b (f + f_head / L) / F_dev, W / BW_dev)          linear layers, roofline per GPU batch
+    compute         k max(b (f + f_head / L) / F_dev, W / BW_dec)          linear layers, roofline per GPU batch
                     + (cg [+ cc + cd without CPU attention]) att_dev + [CPU attention] (cc + cd) att_host
                     att_dev = max(Cg / BW_dev, B (s + n/2) 4 q' / F_dev), att_host likewise with the host rates
+  BW_dec = profile.decode_bandwidth: min(gemv_bandwidth, BW_dev), the weight-read rate of decode-shaped matmuls
+  x [b, D] @ W that `hpcinfer profile` measures (BW_dev when the profile has none: presets, older files); a
+  token step's linear layers are such matmuls, prefill's are not (they stay at BW_dev).
   r = 1 for the zig-zag block schedule (each layer's weights loaded once per block, FlexGen Section 4.2), r = k
   for the row schedule (ZeRO-Inference, Accelerate: loaded again for every GPU batch).
   f = FLOPs of one token through one layer's matmuls (2 per weight a token touches: MoE experts by top_k / E),
@@ -384,7 +387,8 @@ class CostModel:
         # Decode: one layer, one token of each of the B sequences, the cache at its average length s + n/2.
         avg_len = s + n / 2
         Ag, Cg, Cn, Q = B * z.act_bytes * boundaries, B * avg_len * z.kv_bytes, B * z.kv_bytes, B * z.query_bytes
-        linear_g = k * max(b * (z.flops_per_token + z.head_flops / L) / hw.device_flops, W / hw.device_bandwidth)
+        # a token step's matmuls are x [b, D] @ W: small-batch, their weights read at the profile's decode rate
+        linear_g = k * max(b * (z.flops_per_token + z.head_flops / L) / hw.device_flops, W / hw.decode_bandwidth)
         attn_flops = B * avg_len * 4.0 * z.query_width
         att_dev = max(Cg / hw.device_bandwidth, attn_flops / hw.device_flops)
         att_host = max(Cg / hw.host_bandwidth, attn_flops / hw.host_flops)

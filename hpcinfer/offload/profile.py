@@ -49,6 +49,10 @@ class HardwareProfile:
                                  # (backend/transfer.HostCopies), so a layer costs the sum of its terms
     name: str = "custom"         # preset name, or where it was measured
     notes: str = ""              # caveats of the measurement (e.g. a disk read served by the page cache)
+    # Decode's weight reads (optional; None: device_bandwidth): bytes/s of weights read by decode-shaped matmuls,
+    # x [T <= 8, D] @ W [D, F] over weights larger than the last-level cache (`measure`). On NumPy/BLAS a small-
+    # batch matmul reaches well under a streaming read; the cost models read decode weights at `decode_bandwidth`.
+    gemv_bandwidth: float | None = None
     # The cluster (LINK_FIELDS; the offload planner ignores them): ranks per node and the two link classes.
     gpus_per_node: int = 1                 # ranks (GPUs) of one node
     intra_node_latency: float = 2e-6       # s, one message between two ranks of a node
@@ -67,6 +71,9 @@ class HardwareProfile:
                     (key.endswith("bandwidth") and not value > 0):
                 raise ValueError(f"{key} must be a number {'> 0' if key.endswith('bandwidth') else '>= 0'}, "
                                  f"got {value!r}")
+        if self.gemv_bandwidth is not None and (isinstance(self.gemv_bandwidth, bool) or not isinstance(
+                self.gemv_bandwidth, (int, float)) or not self.gemv_bandwidth > 0):
+            raise ValueError(f"gemv_bandwidth must be a rate > 0 (or absent), got {self.gemv_bandwidth!r}")
         for key in MEMORY_FIELDS:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -75,6 +82,16 @@ class HardwareProfile:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{key} must be a rate > 0, got {value!r}")
+
+    @property
+    def decode_bandwidth(self) -> float:
+        """Bytes/s a decode (token) step reads its weights at: min(gemv_bandwidth, device_bandwidth), and
+        device_bandwidth when gemv_bandwidth is absent (presets, older files). The min: a weight read by small
+        matmuls is still a read of memory, so it cannot beat the streaming rate; a larger gemv figure means the
+        measurement's weights were partly cache-resident, not that decode streams faster."""
+        if self.gemv_bandwidth is None:
+            return self.device_bandwidth
+        return min(self.gemv_bandwidth, self.device_bandwidth)
 
     def with_budgets(self, device_memory: int | None = None, host_memory: int | None = None,
                      disk_memory: int | None = None) -> "HardwareProfile":
@@ -98,6 +115,9 @@ class HardwareProfile:
             value = float(getattr(self, key))
             unit = "FLOP/s" if key.endswith("flops") else "B/s"
             lines.append(f"{key} = {value:.6g}  # {_human_rate(value)}{unit}")
+        if self.gemv_bandwidth is not None:
+            value = float(self.gemv_bandwidth)
+            lines.append(f"gemv_bandwidth = {value:.6g}  # {_human_rate(value)}B/s: decode-shaped matmuls' weights")
         lines.append(f"gpus_per_node = {self.gpus_per_node}")
         for key in LINK_FIELDS[1:]:
             value = float(getattr(self, key))
@@ -112,7 +132,9 @@ class HardwareProfile:
                 f"{_human_rate(self.disk_to_host)}B/s, host->disk {_human_rate(self.host_to_disk)}B/s; matmul "
                 f"{_human_rate(self.device_flops)}FLOP/s device, {_human_rate(self.host_flops)}FLOP/s host; "
                 f"memory {_human_rate(self.device_bandwidth)}B/s device, {_human_rate(self.host_bandwidth)}B/s "
-                f"host; transfers {'overlap compute' if self.overlap else 'add to compute (shared cores)'}")
+                f"host" + (f", decode weights {_human_rate(self.decode_bandwidth)}B/s"
+                           if self.gemv_bandwidth is not None else "") +
+                f"; transfers {'overlap compute' if self.overlap else 'add to compute (shared cores)'}")
 
 
 def _human_rate(value: float) -> str:
@@ -194,6 +216,11 @@ def load_profile(path: str) -> HardwareProfile:
         if not isinstance(raw["overlap"], bool):
             raise ConfigError(f"{path}: overlap = {raw['overlap']!r} is not true or false")
         kwargs["overlap"] = raw["overlap"]
+    if "gemv_bandwidth" in raw:                   # optional: files without it read decode weights at device_bandwidth
+        value = raw["gemv_bandwidth"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: gemv_bandwidth = {value!r} is not a number")
+        kwargs["gemv_bandwidth"] = float(value)
     for key in LINK_FIELDS:
         if key in raw:
             value = raw[key]
@@ -263,6 +290,7 @@ def measure(tmp_dir: str, device_memory: int | None = None, host_memory: int | N
     vec = np.ones(1024, np.float32)
     read_mem_s = best_of(3, lambda: big @ vec)
     bandwidth = nbytes / read_mem_s
+    gemv = gemv_bandwidth(src)
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     notes = [NUMPY_NOTE]
     if note:
@@ -277,7 +305,56 @@ def measure(tmp_dir: str, device_memory: int | None = None, host_memory: int | N
         host_to_device=nbytes / copy_s, device_to_host=nbytes / copy_back_s,
         disk_to_host=nbytes / read_s, host_to_disk=nbytes / write_s,
         device_flops=flops, host_flops=flops, device_bandwidth=bandwidth, host_bandwidth=bandwidth,
+        gemv_bandwidth=gemv,
         overlap=False)                        # a memcpy on the cores that compute: the terms add (cost_model)
+
+
+# Decode-shaped weights [D, F] (GPT-2-small's and SmolLM2-360M's projections, a 2048-wide model's MLP) and the
+# token counts of a decode micro-batch; the weights cycle through the shapes until they exceed the cache.
+GEMV_SHAPES = ((768, 2304), (768, 3072), (3072, 768), (960, 2560), (2560, 960), (2048, 8192), (8192, 2048))
+GEMV_TOKENS = (1, 4, 8)
+LAST_LEVEL_CACHE = 32 * 2**20                      # bytes, when sysfs does not say (this machine's L3)
+
+
+def gemv_bandwidth(buffer: np.ndarray, tokens=GEMV_TOKENS) -> float:
+    """Bytes/s of weights read by decode-shaped matmuls: x [T, D] @ W [D, F] for every W of GEMV_SHAPES in turn,
+    T in `tokens`, the weights views of `buffer` (float32, flat) of at least 4x the last-level cache in all (a
+    larger buffer is allocated when `buffer` is smaller), so every pass reads memory, not cache. Per T: the
+    weights' bytes over the best of 3 passes; the result is the median over T (on a CPU they are all below the
+    ridge point, so a weight read bounds them all)."""
+    need = 4 * last_level_cache()
+    if buffer.nbytes < need:
+        buffer = np.ones(need // 4, np.float32)
+    weights, at = [], 0
+    while at < buffer.size:
+        D, F = GEMV_SHAPES[len(weights) % len(GEMV_SHAPES)]
+        if at + D * F > buffer.size:
+            break
+        weights.append(buffer[at:at + D * F].reshape(D, F))                # [D, F]
+        at += D * F
+    nbytes = sum(w.nbytes for w in weights)
+    rates = []
+    for T in tokens:
+        xs = {D: np.ones((T, D), np.float32) for D, _ in GEMV_SHAPES}       # [T, D]
+        rates.append(nbytes / best_of(3, lambda: [xs[w.shape[0]] @ w for w in weights]))
+    return float(np.median(rates))
+
+
+def last_level_cache() -> int:
+    """Bytes of the largest CPU cache sysfs lists (LAST_LEVEL_CACHE when it lists none)."""
+    sizes = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for entry in (os.listdir(root) if os.path.isdir(root) else ()):
+        try:
+            with open(os.path.join(root, entry, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=LAST_LEVEL_CACHE)
 
 
 def best_of(repeats: int, fn) -> float:

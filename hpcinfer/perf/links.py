@@ -1,9 +1,10 @@
 """Measure this machine as N MPI ranks see it: per-rank rates under the runtime's thread split, and the links.
 
 Run under mpiexec (bench/planner_check.py does): every rank measures at once (offload/profile.measure with the BLAS
-threads the runtime would give it: the node's cores divided among its ranks), so the rates are what one rank gets
-while the others work; then ranks 0 and 1 play ping-pong: the latency is half the round trip of an 8-byte message,
-the bandwidth a 16 MiB message's size over half its round trip. Ranks 0 and 1 share a node here; with one node
+threads the runtime would give it: the node's cores divided among its ranks), so the rates (matmul, streaming read,
+decode-shaped matmuls' weight reads: the slowest rank's) are what one rank gets while the others work; then ranks
+0 and 1 play ping-pong: the latency is half the round trip of an 8-byte message, the bandwidth a 16 MiB message's
+size over half its round trip. Ranks 0 and 1 share a node here; with one node
 the inter-node link is set equal to the intra-node one.
 """
 
@@ -50,11 +51,13 @@ def measure_ranks(comm, tmp_dir: str, size: int = 64 * 2**20):
     bandwidth = 16 * 2**20 / round_trip if round_trip > 0 else 0.0
     flops = comm.allreduce(profile.device_flops, op=_min())
     memory_bw = comm.allreduce(profile.device_bandwidth, op=_min())
+    gemv_bw = comm.allreduce(profile.gemv_bandwidth, op=_min())         # decode-shaped matmuls (profile.measure)
     if comm.rank != 0:
         return None
     return dataclasses.replace(
         profile, name=f"{profile.name}, {comm.size} ranks x {threads} threads", device_flops=flops,
-        host_flops=flops, device_bandwidth=memory_bw, host_bandwidth=memory_bw, gpus_per_node=local,
+        host_flops=flops, device_bandwidth=memory_bw, host_bandwidth=memory_bw, gemv_bandwidth=gemv_bw,
+        gpus_per_node=local,
         intra_node_latency=latency, intra_node_bandwidth=bandwidth, inter_node_latency=latency,
         inter_node_bandwidth=bandwidth,
         notes=profile.notes + f"; rates per rank with {threads} BLAS threads while all {comm.size} ranks measure; "

@@ -4,6 +4,8 @@ Per layer and micro-batch on one rank (m sequences of a replica, T new tokens ea
   compute   = max(FLOPs / device_flops, bytes / device_bandwidth)        roofline: the slower of the two, no sum
       FLOPs = 2 t (dense params / tp) + 4 t c q / tp  [+ experts]        t = m T tokens, q = H hd
       bytes = isz (dense params / tp) + m c kv_bytes / tp  [+ experts]   weights read once per micro-batch
+              a token step's weights (its matmuls are x [m, D] @ W) count device_bandwidth / decode_bandwidth
+              bytes each: read at the profile's small-batch rate (offload/profile.HardwareProfile.decode_bandwidth)
               (quantized matrices and a quantized KV cache at their packed bytes: Workload.quant_of, kv_format)
       experts (MoE layer): N = token-choices reaching the stage's experts = dp t k (PCC) or dp tp t k (flat and
       hierarchical send every tp rank's replicated tokens); a rank computes N / ep of them on its 1 / expert_tp
@@ -107,6 +109,13 @@ def _roofline(flops: float, nbytes: float, hw) -> float:
     return max(flops / hw.device_flops, nbytes / hw.device_bandwidth)
 
 
+def weight_scale(hw, decode: bool) -> float:
+    """Streaming-equivalent bytes per weight byte: device_bandwidth / decode_bandwidth in a token step (its
+    matmuls are x [m, D] @ W, read at the profile's small-batch rate), 1 in a prompt step and without a
+    gemv_bandwidth (exactly 1.0 then, so the roofline is the old one bit for bit)."""
+    return hw.device_bandwidth / hw.decode_bandwidth if decode else 1.0
+
+
 def dense_layer_params(arch: ModelArch, layer: int) -> int:
     """Matrix parameters of layer `layer` outside the experts (attention, a dense or PR-MoE residual MLP)."""
     experts = arch.experts_in(layer)
@@ -121,13 +130,15 @@ def experts_hit(local: float, experts: int, choices: float) -> float:
 
 
 def layer_time(arch, layer: int, layout: Layout, t: int, m: int, c: float, work: Workload, hw,
-               links: Links) -> tuple[float, float]:
-    """(compute s, comm s) of one layer for one micro-batch: t tokens of m sequences attending to c positions."""
+               links: Links, decode: bool = False) -> tuple[float, float]:
+    """(compute s, comm s) of one layer for one micro-batch: t tokens of m sequences attending to c positions
+    (decode: a token step, whose weights are read at hw.decode_bandwidth)."""
     D, tp, k, isz = arch.hidden_size, layout.tp, arch.moe_top_k, work.itemsize
+    scale = weight_scale(hw, decode)                                                # weight byte -> streamed bytes
     dense = dense_layer_params(arch, layer) / tp
     flops = 2.0 * t * dense + 4.0 * t * c * arch.q_size / tp
     weights = isz * dense + quantized_delta(arch, layer_matrices(arch, layer), tp, work)
-    nbytes = weights + m * c * work.kv_token_bytes(arch, tp)                        # weights + K, V read
+    nbytes = weights * scale + m * c * work.kv_token_bytes(arch, tp)                # weights + K, V read
     comm = all_reduce(t * D * isz, tp, links.intra)                                   # attention output
     experts = arch.experts_in(layer)
     if not experts or arch.moe_residual:
@@ -137,7 +148,7 @@ def layer_time(arch, layer: int, layout: Layout, t: int, m: int, c: float, work:
         choices = layout.dp * t * k * (1 if pcc else tp)                              # N
         expert = D * arch.expert_size * (3 if arch.gated_mlp else 2) / layout.expert_tp
         flops += 2.0 * choices / layout.ep * expert + 2.0 * t * D * experts
-        nbytes += isz * expert * experts_hit(experts / layout.ep, experts, choices)
+        nbytes += isz * expert * experts_hit(experts / layout.ep, experts, choices) * scale
         p = layout.stage_ranks
         rows_per_pair = t * k * layout.expert_tp / p                                  # flat model: rows a peer
         comm += all_to_all(layout.all_to_all, p, layout.stage_ranks_per_node, tp, rows_per_pair, D * isz, links)
@@ -145,26 +156,27 @@ def layer_time(arch, layer: int, layout: Layout, t: int, m: int, c: float, work:
 
 
 def stage_time(arch, layout: Layout, layers: range, last: bool, t: int, m: int, c: float, work: Workload, hw,
-               links: Links) -> tuple[float, float]:
+               links: Links, decode: bool = False) -> tuple[float, float]:
     """(compute s, comm s) of one pipeline stage for one micro-batch (the LM head on the last stage, for the m
     sequences' last positions)."""
     compute = comm = 0.0
     kinds = Counter(arch.experts_in(layer) for layer in layers)       # layers of one expert count cost the same
     for experts, count in kinds.items():
         layer = next(i for i in layers if arch.experts_in(i) == experts)
-        a, b = layer_time(arch, layer, layout, t, m, c, work, hw, links)
+        a, b = layer_time(arch, layer, layout, t, m, c, work, hw, links, decode)
         compute, comm = compute + count * a, comm + count * b
     if last:
         head = arch.vocab_size * arch.hidden_size / layout.tp
-        compute += _roofline(2.0 * m * head, head_bytes(arch, layout.tp, work), hw)
+        compute += _roofline(2.0 * m * head, head_bytes(arch, layout.tp, work) * weight_scale(hw, decode), hw)
     return compute, comm
 
 
-def slowest_stage(arch, layout: Layout, t: int, m: int, c: float, work: Workload, hw, links: Links) -> tuple:
+def slowest_stage(arch, layout: Layout, t: int, m: int, c: float, work: Workload, hw, links: Links,
+                  decode: bool = False) -> tuple:
     """(compute s, comm s) of the stage with the largest total, plus the send to the next stage."""
     isz = work.itemsize
     stages = stages_of(arch, layout.pp)
-    times = [stage_time(arch, layout, s.layers, s.is_last, t, m, c, work, hw, links) for s in stages]
+    times = [stage_time(arch, layout, s.layers, s.is_last, t, m, c, work, hw, links, decode) for s in stages]
     compute, comm = max(times, key=sum)
     if layout.pp > 1:
         comm += links.pick(layout.stage_ranks >= layout.ranks_per_node).send(t * arch.hidden_size * isz)
@@ -179,7 +191,7 @@ def predict(arch: ModelArch, layout: Layout, work: Workload, hw) -> Prediction:
     mp, mg = math.ceil(b / pmb), math.ceil(b / gmb)                                    # sequences a micro-batch
     prompt = sum(slowest_stage(arch, layout, mp * work.prompt_len, mp, work.prompt_len, work, hw, links))
     context = work.prompt_len + work.gen_len / 2                                       # the cache's average length
-    g_compute, g_comm = slowest_stage(arch, layout, mg, mg, context, work, hw, links)
+    g_compute, g_comm = slowest_stage(arch, layout, mg, mg, context, work, hw, links, decode=True)
     prompt_s = (pmb + pp - 1) * prompt
     token_s = max(gmb, pp) * (g_compute + g_comm)
     total = prompt_s + (work.gen_len - 1) * token_s
