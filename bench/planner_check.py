@@ -3,7 +3,8 @@
     .venv/bin/python -m bench.planner_check --out bench/results            # about 3 minutes on a quiet 2-core box
 
 1. Measures this machine as 2 MPI ranks see it (hpcinfer.perf.links.measure_ranks under mpiexec -n 2: per-rank
-   matmul rate and memory bandwidth with 1 BLAS thread each, ping-pong latency and bandwidth) into
+   matmul rate, memory bandwidth and decode-shaped matmuls' weight bandwidth (gemv_bandwidth) with 1 BLAS
+   thread each, ping-pong latency and bandwidth) into
    out/planner-check/hardware.toml, the hardware format `hpcinfer plan --hardware FILE` reads.
 2. Writes a GPT-2-small-shaped checkpoint (12 layers, D 768, 12 heads, vocabulary 50257; random weights from the
    preset generator, float32) and runs `hpcinfer run` on it for 1 rank, tp=1/dp=2, tp=2 and pp=2 (one BLAS
