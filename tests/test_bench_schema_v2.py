@@ -153,9 +153,13 @@ def test_older_results_validate_with_their_own_schema_version():
     fixture) carry "hpcinfer-bench/1" and are checked against that version's lean figures: they were measured
     before the cells recorded their backend or nulls with reasons, and re-running them would change the numbers
     the docs quote. A v1 file relabelled as v2 fails, so old files cannot pass as new ones."""
-    old = [load(FIXTURE_V1)] + [load(p) for p in sorted(COMMITTED.glob("bench-cpu-*.json"))]
+    committed = {p.name: load(p) for p in sorted(COMMITTED.glob("bench-cpu-*.json"))}
+    for name in ("bench-cpu-2026-11-21.json", "bench-cpu-2026-11-22.json"):
+        assert committed[name]["schema"] == V1, name
+    for result in committed.values():                                      # each against its own version
+        validate(result)
+    old = [load(FIXTURE_V1)] + [r for r in committed.values() if r["schema"] == V1]
     for result in old:
-        assert result["schema"] == V1
         validate(result)
     relabelled = copy.deepcopy(old[0]) | {"schema": V2}
     with pytest.raises(InputError):

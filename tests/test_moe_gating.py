@@ -231,7 +231,9 @@ def test_dropped_tokens_produce_zero_moe_output():
     assert gone.sum() >= tokens // 4
     assert np.all(out[gone] == 0)
     full = table_moe(x, gate_w, expert_fn, 1, "none", None)
-    np.testing.assert_array_equal(out[~gone], full[~gone])
+    # Untouched up to rounding: an expert's matmul over fewer rows may take another BLAS kernel path (seen in CI:
+    # 30 of 512 values 1 ulp apart), so equal within a few float32 ulps, not bit for bit.
+    np.testing.assert_allclose(out[~gone], full[~gone], rtol=4e-7, atol=1e-7)
     kept_tokens = routing.token_of_row[moe_ops.expert_segments(routing.expert_counts)[:-1]]   # first of each expert
     assert np.all(routing.slot[kept_tokens, 0] == 0)                  # the earliest tokens keep their place
     np.testing.assert_allclose(out, einsum_moe(x, gate_w, expert_fn, 1, "none", capacity), rtol=1e-6, atol=1e-7)

@@ -23,6 +23,7 @@ def test_profile_on_cupy_measures_the_gpus_side(emu_cupy, tmp_path, monkeypatch)
     assert profile.host_to_device > 0 and profile.device_to_host > 0 and profile.device_flops > 0
     assert emu._state.async_copies > 0                             # the link was measured with async copies
     assert profile.overlap                                         # the copy engine runs beside the GPU's compute
+    assert profile.gemv_bandwidth is None                          # decode reads at the GPU's own bandwidth
     pinned = cli.main(["profile", "--backend", "cupy", "--out", str(tmp_path / "budget.toml"), "--size", "1MiB",
                        "--disk-dir", str(tmp_path), "--device-memory", "2GB"])
     assert pinned == 0 and load_profile(str(tmp_path / "budget.toml")).device_memory == 2 * 10**9

@@ -74,7 +74,8 @@ def gpu_profile(profile, bw: dict):
     profile it starts from says they share the cores."""
     return dataclasses.replace(profile, host_to_device=bw["h2d_pinned"], device_to_host=bw["d2h_pinned"],
                                device_flops=bw["device_flops"], device_bandwidth=bw["device_copy"],
-                               name=f"{profile.name} + GPU links", overlap=True)
+                               name=f"{profile.name} + GPU links", overlap=True,
+                               gemv_bandwidth=None)        # the host's small-matmul rate is not the GPU's
 
 
 def with_gpu(profile, cp, size: int, device_memory: int | None = None):
