@@ -29,9 +29,10 @@ from scipy.optimize import linprog
 
 from ..errors import ConfigError
 from ..model.arch import ModelArch
-from .cost_model import LINKS, TIERS, VARIABLES, CostModel, CostTerms, Prediction, evaluate, whole_layers
+from .cost_model import LINKS, TIERS, VARIABLES, CostModel, CostTerms, Prediction, evaluate
 from .policy import Policy, human_bytes
 from .profile import HardwareProfile
+from . import rounding
 from .tiers import place_layers
 
 NV = len(VARIABLES)                       # the nine fractions; then T_pre, T_gen
@@ -99,11 +100,12 @@ def _unplaced_error(x: np.ndarray, problem: "_Problem", b: int, k: int, cpu_atte
     """The LP fits with a fraction of a layer, but no whole-layer placement near it does: name the tier the
     nearest one overflows."""
     L = problem.terms.num_layers
-    counts = _layer_splits(x, L)[0]
-    g, c = _weight_percents(counts, L)
-    policy = Policy(gpu_batch_size=b, num_gpu_batches=k, weights_gpu=_tidy(g), weights_cpu=_tidy(c),
-                    cache_gpu=_tidy(100 * x[3]), cache_cpu=_tidy(min(100 * x[4], 100 - 100 * x[3])),
-                    act_gpu=_tidy(100 * x[6]), act_cpu=_tidy(min(100 * x[7], 100 - 100 * x[6])),
+    counts = rounding.layer_splits(x, L)[0]
+    g, c = rounding.weight_percents(counts, L)
+    tidy = rounding.tidy
+    policy = Policy(gpu_batch_size=b, num_gpu_batches=k, weights_gpu=tidy(g), weights_cpu=tidy(c),
+                    cache_gpu=tidy(100 * x[3]), cache_cpu=tidy(min(100 * x[4], 100 - 100 * x[3])),
+                    act_gpu=tidy(100 * x[6]), act_cpu=tidy(min(100 * x[7], 100 - 100 * x[6])),
                     cpu_attention=cpu_attention, prefetch_layers=prefetch_layers, schedule=schedule)
     pred = evaluate(problem.terms, policy, problem.profile)
     over = [t for t in TIERS if pred.peak[t] > pred.budget[t] + 0.5] or ["max_latency"]
@@ -413,7 +415,7 @@ def _placed_policy(x: np.ndarray, problem: _Problem, max_latency: float | None, 
     if policy is not None:
         return policy
     L, best = problem.terms.num_layers, None
-    for counts in _layer_splits(x, L):
+    for counts in rounding.layer_splits(x, L):
         bounds = list(problem.bounds)
         for i, n in zip(GROUPS[0], counts):
             if problem.bounds[i][0] <= n / L <= problem.bounds[i][1]:
@@ -430,54 +432,17 @@ def _placed_policy(x: np.ndarray, problem: _Problem, max_latency: float | None, 
     return None if best is None else best[1]
 
 
-def _layer_splits(x: np.ndarray, num_layers: int) -> list:
-    """Whole-layer (device, host, disk) counts near the LP's weight shares, the nearest first (largest remainder):
-    the device count and the device + host count each rounded up, down, or one further down (a layer moved to the
-    next tier down when the rounding does not fit)."""
-    L = num_layers
-    g, gc = float(x[GROUPS[0][0]]) * L, float(x[GROUPS[0][0]] + x[GROUPS[0][1]]) * L
-    near = lambda v: (math.ceil(v - 1e-9), math.floor(v + 1e-9), math.floor(v + 1e-9) - 1)
-    splits = [_nearest(tuple(float(x[i]) * L for i in GROUPS[0]), L)]
-    for n_dev in near(g):
-        for n_cum in near(gc):
-            counts = (n_dev, n_cum - n_dev, L - n_cum)
-            if 0 <= n_dev <= n_cum <= L and counts not in splits:
-                splits.append(counts)
-    return splits
-
-
-def _layer_percent(count: int, num_layers: int) -> float:
-    """A percentage that places `count` of `num_layers` layers (round(L p / 100) == count, tiers.place_layers):
-    the whole percent nearest count / L, else count / L to 2 decimals, else exact."""
-    exact = 100 * count / num_layers
-    for p in sorted(range(101), key=lambda p: (abs(p - exact), p))[:3]:
-        if round(num_layers * p / 100) == count:
-            return p
-    p = round(exact, 2)
-    return p if round(num_layers * p / 100) == count else exact
-
-
-def _weight_percents(counts: tuple, num_layers: int) -> tuple:
-    """(weights_gpu, weights_cpu) that tiers.place_layers turns back into `counts` (device, host, disk) layers."""
-    g = _layer_percent(counts[0], num_layers)
-    gc = _layer_percent(counts[0] + counts[1], num_layers)
-    c = round(gc - g, 9)
-    tiers = place_layers(num_layers, g, c)
-    if (tiers.count("device"), tiers.count("host")) != counts[:2]:           # float noise in gc - g: exact shares
-        g, c = 100 * counts[0] / num_layers, 100 * counts[1] / num_layers
-    return g, c
-
-
 def _rounded_policy(x: np.ndarray, problem: _Problem, max_latency: float | None, b: int, k: int,
                     cpu_attention: bool, schedule: str, prefetch_layers: int) -> Policy | None:
-    """The weights in whole layers (each split of _layer_splits), the cache and activation percentages as coarsely
-    as still fits (and meets max_latency): whole percent, else 0.1, else 0.01, else exact. At each unit: the
+    """The weights in whole layers (each split of rounding.layer_splits), the cache and activation percentages as
+    coarsely as still fits (and meets max_latency): whole percent, else 0.1, else 0.01, else exact. At each unit: the
     nearest (largest remainder); else the device shares rounded down (the host takes the difference); else the
     device and host shares rounded down (the disk takes it). None when nothing fits."""
     L = problem.terms.num_layers
-    splits = [_weight_percents(counts, L) for counts in _layer_splits(x, L)]
+    splits = [rounding.weight_percents(counts, L) for counts in rounding.layer_splits(x, L)]
     exact = [tuple(100.0 * float(x[i]) for i in group) for group in GROUPS[1:]]
-    tries = [(rule, unit) for unit in (1.0, 0.1, 0.01) for rule in (_nearest, _floor_gpu, _floor_gpu_cpu)]
+    rules = (rounding.nearest, rounding.floor_gpu, rounding.floor_gpu_cpu)
+    tries = [(rule, unit) for unit in (1.0, 0.1, 0.01) for rule in rules]
     for rule, unit in tries + [(None, None)]:
         if rule is None:                                 # exact shares: only trim float noise off the disk part
             triples = [(g, min(c, 100.0 - g), max(0.0, 100.0 - g - c)) for g, c, _ in exact]
@@ -487,49 +452,15 @@ def _rounded_policy(x: np.ndarray, problem: _Problem, max_latency: float | None,
         best = None
         for weights_gpu, weights_cpu in splits:                  # the fastest split that fits (the nearest on a tie)
             policy = Policy(gpu_batch_size=b, num_gpu_batches=k,
-                            weights_gpu=_tidy(weights_gpu), weights_cpu=_tidy(weights_cpu),
-                            cache_gpu=_tidy(triples[0][0]), cache_cpu=_tidy(triples[0][1]),
-                            act_gpu=_tidy(triples[1][0]), act_cpu=_tidy(triples[1][1]),
+                            weights_gpu=rounding.tidy(weights_gpu), weights_cpu=rounding.tidy(weights_cpu),
+                            cache_gpu=rounding.tidy(triples[0][0]), cache_cpu=rounding.tidy(triples[0][1]),
+                            act_gpu=rounding.tidy(triples[1][0]), act_cpu=rounding.tidy(triples[1][1]),
                             cpu_attention=cpu_attention, prefetch_layers=prefetch_layers, schedule=schedule)
             prediction = evaluate(problem.terms, policy, problem.profile)
-            if _keeps(policy, problem.bounds, L) and prediction.fits and (
+            if rounding.keeps_pinned(policy, problem.bounds, L) and prediction.fits and (
                     max_latency is None or prediction.total_s <= max_latency) and (
                     best is None or prediction.total_s < best[0] * (1 - 1e-9)):
                 best = (prediction.total_s, policy)
         if best is not None:
             return best[1]
     return None
-
-
-def _tidy(percent: float) -> float:
-    """A whole percentage as an int (prints as 20, not 20.0); others rounded off float noise."""
-    value = round(float(percent), 9)
-    return int(value) if value == int(value) else value
-
-
-def _keeps(policy: Policy, bounds: list, num_layers: int) -> bool:
-    """The rounded policy still holds every pinned fraction (the weights' as the layers it places)."""
-    x = whole_layers(policy.fractions(), num_layers)
-    return all(lo != hi or abs(x[v] - lo) < 1e-9 for v, (lo, hi) in zip(VARIABLES, bounds))
-
-
-def _nearest(triple: tuple, total: int) -> tuple:
-    """Whole units summing to `total`, by largest remainder."""
-    floors = [math.floor(v + 1e-9) for v in triple]
-    order = sorted(range(3), key=lambda i: triple[i] - floors[i], reverse=True)
-    for i in order[:max(0, total - sum(floors))]:
-        floors[i] += 1
-    return tuple(floors)
-
-
-def _floor_gpu(triple: tuple, total: int) -> tuple:
-    """The device share rounded down, the disk share to the nearest, the host share the rest."""
-    g = math.floor(triple[0] + 1e-9)
-    d = min(round(triple[2]), total - g)
-    return g, total - g - d, d
-
-
-def _floor_gpu_cpu(triple: tuple, total: int) -> tuple:
-    g = math.floor(triple[0] + 1e-9)
-    c = min(math.floor(triple[1] + 1e-9), total - g)
-    return g, c, total - g - c
