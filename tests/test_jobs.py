@@ -131,6 +131,7 @@ def test_offload_script(tmp_path):
     done = run_local(JOBS / "offload-1gpu.slurm", env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "offload:" in done.stdout and len(output_ids(tmp_path / "offload-1gpu.jsonl")) == 16
+    assert "cost model predicted" in done.stdout and "a100-40gb-pcie4" in done.stdout     # the script's profile
 
 
 def test_embed_script(tmp_path):
