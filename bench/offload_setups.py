@@ -94,12 +94,10 @@ def plan_ablations(plan) -> list:
     without CPU attention (when it had it), and with ZeRO-Inference's row-by-row schedule (the same placement and
     GPU batches)."""
     keys = plan.keys
-    if keys.get("prefetch_layers", 1) > 0:
-        out = [Setup("plan: no overlap", "policy", "the LP's policy, prefetch_layers = 0",
-                     {**keys, "prefetch_layers": 0})]
-    else:
-        out = [Setup("plan: prefetch 1", "policy", "the LP's policy with overlap: prefetch_layers = 1",
-                     {**keys, "prefetch_layers": 1})]
+    overlapped = keys.get("prefetch_layers", 1) > 0
+    name, role = (("plan: no overlap", "the LP's policy, prefetch_layers = 0") if overlapped else
+                  ("plan: prefetch 1", "the LP's policy with overlap: prefetch_layers = 1"))
+    out = [Setup(name, "policy", role, {**keys, "prefetch_layers": 0 if overlapped else 1})]
     if keys.get("cpu_attention"):
         out.append(Setup("plan: no CPU attention", "policy", "the LP's policy, cpu_attention off",
                          {**keys, "cpu_attention": False}))

@@ -23,7 +23,8 @@ from .generate.sampling import SamplingParams
 from .generate.schedule import micro_batches
 from .generate.tokenizer import TextTokenizer
 from .metrics import held_weight_bytes, peak_rss_bytes, summarize
-from .offload.budget import check_budgets, kv_format_of, predicted_vs_measured
+from .offload.budget import ACT_ITEMSIZE, check_budgets, kv_format_of, predicted_vs_measured
+from .offload.partition import fetch_share
 from .offload.sizes import kv_token_bytes
 from .quant.storage import quant_of
 from .offload.zigzag import run_block_zigzag
@@ -133,7 +134,7 @@ def _fetch_share(config, world_size: int, ranks_per_node: int) -> int:
     par = config.parallel
     if not config.offload.partitioned_fetch:
         return 1
-    return min(world_size // (par.tp * par.pp), max(1, ranks_per_node // par.tp))
+    return fetch_share(world_size // (par.tp * par.pp), par.tp, ranks_per_node)
 
 
 def open_model_source(model_section):
@@ -258,7 +259,7 @@ def _offloaded_batch(model, prompts, indices, params, times, offload) -> list:
     for group in micro_batches(len(prompts), offload.num_gpu_batches):
         members = [prompts[i] for i in group]
         memory.hold("device", "KV cache", _row_cache_bytes(model, members, params.max_new_tokens))
-        memory.hold("device", "activations", sum(map(len, members)) * model.arch.hidden_size * 4)   # prefill [T, D]
+        memory.hold("device", "activations", sum(map(len, members)) * model.arch.hidden_size * ACT_ITEMSIZE)
         outputs += generate_batch(model, members, [indices[i] for i in group], params, times)
         memory.hold("device", "KV cache", 0)
         memory.hold("device", "activations", 0)

@@ -265,14 +265,18 @@ def test_transformers_runs_where_hpcinfer_runs():
 
 # ---- backend and the CUDA graphs variant ------------------------------------------------------------------------
 
-def test_bench_backend_is_checked_and_resolved(tmp_path):
+def test_bench_backend_is_checked_and_resolved(tmp_path, monkeypatch):
     assert config(tmp_path).backend == "auto"
     assert config(tmp_path, TINY.replace("quiet_wait_s = 0", 'quiet_wait_s = 0\nbackend = "numpy"')).backend == \
         "numpy"
     with pytest.raises(ConfigError, match=r"\[run\].backend = 'gpu' must be one of auto, numpy, cupy"):
         config(tmp_path, TINY.replace("quiet_wait_s = 0", 'quiet_wait_s = 0\nbackend = "gpu"'))
     assert resolve_backend("numpy") == "numpy" and resolve_backend("cupy") == "cupy"
-    assert resolve_backend("auto") in ("numpy", "cupy")
+    from hpcinfer.backend import cupy_ops
+
+    for gpu, resolved in ((True, "cupy"), (False, "numpy")):               # auto follows what cupy sees
+        monkeypatch.setattr(cupy_ops, "gpu_available", lambda gpu=gpu: gpu)
+        assert resolve_backend("auto") == resolved
 
 
 def test_cells_name_their_backend_in_the_job_config(tmp_path):

@@ -26,7 +26,8 @@ from hpcinfer.offload.budget import device_rows, host_attention_bytes, kv_plan_b
 from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from test_offload import MAX_NEW, PROMPT_LENGTHS, config_for, host_kvs, make_prompts, offload, preset
 
-LAYERS, HEAD_DIM, F32 = 4, 16, 4                  # tiny-dense: 4 layers, heads of 16, float32 q / outputs
+TINY = PRESETS["tiny-dense"]
+LAYERS, HEAD_DIM, F32 = TINY.num_layers, TINY.head_dim, 4     # 4 layers, heads of 16, float32 q / outputs
 SPLITS = (0, 25, 50, 75)
 
 

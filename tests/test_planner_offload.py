@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -149,4 +148,3 @@ def test_the_runtime_limits_are_the_eligible_layouts():
     moe = MODELS["tiny-moe"]
     assert eligible(HAND, Layout(2, 1, 4)) and not eligible(HAND, Layout(1, 2, 1))
     assert eligible(moe, Layout(2, 1, 1, ep=2)) and not eligible(moe, Layout(1, 1, 2, ep=2))
-    assert types is not None

@@ -106,17 +106,25 @@ class Ops(Protocol):
 BACKENDS = ("auto", "numpy", "cupy")
 
 
+def resolve_backend(requested: str) -> str:
+    """`[runtime] backend` as it will run: numpy or cupy as asked; auto = cupy when cupy sees a GPU, else numpy."""
+    if requested != "auto":
+        return requested
+    from .cupy_ops import gpu_available
+
+    return "cupy" if gpu_available() else "numpy"
+
+
 def make_ops(backend: str, device: int | None = None) -> Ops:
     """Resolve `[runtime] backend`: numpy; cupy (a CUDA GPU, or a ConfigError saying why not); auto = cupy when
     cupy sees a GPU, else numpy. `device` (cupy only): the GPU among the visible ones, taken modulo their count;
     the runtime passes the node-local rank. None selects no device and touches no GPU (a check of the config)."""
-    from .cupy_ops import gpu_available
-
-    if backend == "numpy" or (backend == "auto" and not gpu_available()):
+    backend = resolve_backend(backend)
+    if backend == "numpy":
         from .numpy_ops import NumpyOps
 
         return NumpyOps()
-    if backend in ("auto", "cupy"):
+    if backend == "cupy":
         from .cupy_ops import CupyOps
 
         return CupyOps(device)

@@ -42,7 +42,6 @@ FIGURES_V1 = {
         "mesh": {"type": "object", "required": ["world", "pp", "dp", "tp"]},
     },
 }
-FIGURES = FIGURES_V1                      # the lean figures (the transformers baseline's in schema 2 as well)
 
 
 def _null_needs_reason(key: str, nested: str | None = None) -> dict:

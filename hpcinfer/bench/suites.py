@@ -246,8 +246,6 @@ def resolve_backend(requested: str) -> str:
     """The backend every cell runs on: numpy, cupy, or for auto cupy when cupy sees a GPU here (as make_ops
     resolves it), else numpy. Resolved once in the driver so that the cells' configs name it and the suites can
     plan the GPU-only variants (CUDA graphs)."""
-    if requested != "auto":
-        return requested
-    from ..backend.cupy_ops import gpu_available
+    from ..backend.ops import resolve_backend as resolve
 
-    return "cupy" if gpu_available() else "numpy"
+    return resolve(requested)

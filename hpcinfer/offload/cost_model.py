@@ -215,7 +215,7 @@ class Staging:
 def whole_layers(x: dict, num_layers: int) -> dict:
     """x with the weight shares rounded to whole layers exactly as the runtime places them (tiers.place_layers:
     round(L wg) layers on the device, then round(L (wg + wc)) - that in host memory, the rest on disk)."""
-    tiers = place_layers(num_layers, round(100 * x["wg"], 9), round(100 * x["wc"], 9))
+    tiers = layer_tiers(x, num_layers)
     return {**x, "wg": tiers.count("device") / num_layers, "wc": tiers.count("host") / num_layers,
             "wd": tiers.count("disk") / num_layers}
 

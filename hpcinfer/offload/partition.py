@@ -89,6 +89,12 @@ class LayerImage:
         return bool(parts[:, -1].any()), arrays
 
 
+def fetch_share(dp: int, tp: int, ranks_per_node: int) -> int:
+    """Replicas of a partitioned fetch group: the dp ranks of one node that hold the same tp shard (each fetches
+    1/f of a layer and the group all-gathers it)."""
+    return min(dp, max(1, ranks_per_node // tp))
+
+
 def _nbytes(dtype, shape) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 

@@ -33,11 +33,12 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..offload import partition
 from ..offload.sizes import kv_token_bytes, layer_bytes, table_bytes
 from ..offload.tiers import place_layers
 from .comm_cost import Links, all_gather
 from .layout import Layout, divisors
-from .step import Prediction, Workload, predict, slowest_stage
+from .step import Prediction, Workload, slowest_stage
 
 MAX_GPU_BATCHES = 16             # FlexGen's "less than 20", the offload search's default grid
 FIXED = {"act_gpu": 100, "act_cpu": 0}      # activations on the device (one GPU batch's hidden states are small)
@@ -91,7 +92,7 @@ def eligible(arch, layout: Layout) -> bool:
 
 def fetch_share(layout: Layout) -> int:
     """job._fetch_share with partitioned_fetch on: the dp replicas of a node holding the same tp shard."""
-    return min(layout.dp, max(1, layout.ranks_per_node // layout.tp))
+    return partition.fetch_share(layout.dp, layout.tp, layout.ranks_per_node)
 
 
 def shard_arch(arch, tp: int):
@@ -205,10 +206,9 @@ def predict_offloaded(arch, layout: Layout, work: Workload, hw, policy, peak: di
     overlap = hw.overlap and policy.prefetch_layers >= 1
 
     batches = dataclasses.replace(layout, prompt_micro_batches=k, gen_micro_batches=k)   # the GPU batches
-    base = predict(arch, batches, work, hw)
-    mp, mg = math.ceil(b / k), math.ceil(b / k)
-    p_compute, p_comm = slowest_stage(arch, batches, mp * work.prompt_len, mp, work.prompt_len, work, hw, links)
-    g_compute, g_comm = base.stage_compute_s, base.stage_comm_s
+    m = math.ceil(b / k)                                                         # sequences a GPU batch
+    p_compute, p_comm = slowest_stage(arch, batches, m * work.prompt_len, m, work.prompt_len, work, hw, links)
+    g_compute, g_comm = slowest_stage(arch, batches, m, m, context, work, hw, links, decode=True)
 
     def step(compute: float, comm: float, transfers: dict) -> float:
         moved = list(transfers.values())

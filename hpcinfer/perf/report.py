@@ -34,8 +34,8 @@ def _check_args(args) -> None:
         if getattr(args, name, default) != default:
             raise ConfigError(f"--{name.replace('_', '-')} is an offload planner option (`hpcinfer plan` without "
                               f"--gpus, docs/offload-planning.md); the layout planner (--gpus) plans its offloaded "
-                              f"layouts with the zig-zag schedule, prefetch 1 and no CPU attention, and does not "
-                              f"read it{_INSTEAD.get(name, '')}: remove it")
+                              f"layouts with the zig-zag schedule, the profile's default prefetch and no CPU "
+                              f"attention, and does not read it{_INSTEAD.get(name, '')}: remove it")
     for name in ("gpus", "batch", "prompt_len", "gen_len"):
         value = getattr(args, name)
         if value < 1:
