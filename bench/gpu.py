@@ -186,18 +186,20 @@ def bench_decode(model, arch, s: Settings, cuda_graphs: bool, copy_GBps: float |
     `repeats` generations after a warm-up one (which also compiles the kernels and, with graphs, captures)."""
     prompts = prompts_of(arch, 1, s.prompt_len)
     generate(model, prompts, s.new_tokens, cuda_graphs)                        # warm-up
-    steps, captures, replays = [], 0, 0
+    steps, captures, replays, eager = [], 0, 0, 0
     for _ in range(s.repeats):
         times = generate(model, prompts, s.new_tokens, cuda_graphs)
         steps += times.decode_s
         captures, replays = captures + times.graph_captures, replays + times.graph_replays
+        eager += times.graph_eager_steps
     t = median(steps)
     # decode step j (1 .. new_tokens - 1) attends over prompt_len + j positions: the mean context
     context = s.prompt_len + s.new_tokens / 2
     nbytes = decode_bytes(arch, np.dtype(s.dtype).itemsize, context)
     res = {"cuda_graphs": cuda_graphs, "steps": len(steps), "ms_per_token": t * 1e3,
            "step_ms": [x * 1e3 for x in steps], "mean_context": context, "bytes_per_token": nbytes,
-           "GBps": nbytes["total"] / t / 1e9, "graph_captures": captures, "graph_replays": replays}
+           "GBps": nbytes["total"] / t / 1e9, "graph_captures": captures, "graph_replays": replays,
+           "graph_eager_steps": eager}
     if copy_GBps:
         res["fraction_of_copy"] = res["GBps"] / copy_GBps
     return res

@@ -226,5 +226,6 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
         "cuda_graphs": {                                  # [runtime] cuda_graphs (generate/graphs.py); 0 when off
             "captures_per_rank": max(getattr(r.times, "graph_captures", 0) for r in reports),
             "replays_per_rank": max(getattr(r.times, "graph_replays", 0) for r in reports),
+            "eager_steps_per_rank": max(getattr(r.times, "graph_eager_steps", 0) for r in reports),
         },
     }

@@ -16,6 +16,11 @@ class EmulatedKernelOps:
     def __init__(self, kernels: bool = True):
         self.kernels = kernels
         self.launched = []                  # names of the kernel functions launched, in order
+        self.library_calls = 0              # as CupyOps: matmuls (cuBLAS on a GPU)
+
+    def matmul(self, a, b):
+        self.library_calls += 1
+        return np.matmul(a, b)
 
     def _kernel(self, name, function, **defines):
         if not self.kernels:

@@ -35,7 +35,8 @@ def test_quick_run_records_every_section(emu_cupy, tmp_path):
     assert dec["ms_per_token"] > 0 and dec["steps"] == gpu.QUICK.new_tokens - 1
     assert dec["fraction_of_copy"] == pytest.approx(dec["GBps"] / s["copy"]["GBps"])
     graphs = s["graphs"]["tiny-dense"]
-    assert graphs["on"]["graph_captures"] >= 1 and graphs["on"]["graph_replays"] == gpu.QUICK.new_tokens - 1
+    on = graphs["on"]                                                   # plain CuPy calls cuBLAS: never captured
+    assert (on["graph_captures"], on["graph_replays"], on["graph_eager_steps"]) == (0, 0, gpu.QUICK.new_tokens - 1)
     assert graphs["off"]["graph_captures"] == 0 and graphs["speedup"] > 0
     hf = s["hf"]["tiny-dense"]
     assert "skipped" in hf or hf["ms_per_token"] > 0                   # torch without CUDA here: a stated skip
@@ -48,12 +49,15 @@ def test_quick_run_records_every_section(emu_cupy, tmp_path):
 
 
 def test_only_with_the_kernels(emu_cupy, tmp_path):
-    """The kernels' path (as on a GPU) for decode and MoE; the sections not chosen say so."""
-    assert gpu.main(["--quick", "--repeats", "1", "--only", "decode,moe", "--out", str(tmp_path)]) == 0
+    """The kernels' path (as on a GPU) for decode, CUDA graphs and MoE; the sections not chosen say so."""
+    assert gpu.main(["--quick", "--repeats", "1", "--only", "decode,graphs,moe", "--out", str(tmp_path)]) == 0
     s = results(tmp_path)["sections"]
     assert s["decode"]["tiny-dense"]["ms_per_token"] > 0
+    on = s["graphs"]["tiny-dense"]["on"]                                # the kernels' decode step is captured
+    assert on["graph_captures"] >= 1 and on["graph_replays"] == gpu.QUICK.new_tokens - 1
+    assert on["graph_eager_steps"] == 0
     assert [c["max_abs_diff"] < 1e-5 for c in s["moe"]["cells"].values()] == [True, True]
-    for name in ("graphs", "hf", "prefill"):
+    for name in ("hf", "prefill"):
         assert s[name] == {"skipped": "not selected (--only)"}
     assert "copy" in s and "GBps" in s["copy"]                        # decode's reference is measured anyway
 

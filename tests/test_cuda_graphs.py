@@ -163,8 +163,10 @@ def fake_cupy(monkeypatch):
 
 @pytest.mark.parametrize("name", ["gpt2-like", "llama-like"])
 @pytest.mark.parametrize("gen_micro_batches", [1, 2])
-def test_graphs_give_numpy_tokens_with_one_capture_per_key(fake_cupy, name, gen_micro_batches):
-    """CupyOps' plain-CuPy path (fast on the fake); the kernels' path is the next test."""
+def test_plain_cupy_decode_steps_run_eagerly_and_say_so(fake_cupy, caplog, name, gen_micro_batches):
+    """CupyOps' plain-CuPy path calls cuBLAS (matmul) in every decode step, which CuPy refuses under capture: with
+    graphs on, every key runs eagerly (nothing captured, nothing replayed), the tokens are NumPy's, one warning
+    says why, and the steps are counted as eager."""
     from hpcinfer.backend.cupy_ops import CupyOps
 
     source = tiny_models()[name]
@@ -172,14 +174,37 @@ def test_graphs_give_numpy_tokens_with_one_capture_per_key(fake_cupy, name, gen_
     want, _ = run(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, False, gen_micro_batches)
     model = Decoder(CupyOps(device=0, kernels=False), Groups(), source.arch).load(source)
     eager, eager_times = run(model, prompts, False, gen_micro_batches)
+    caplog.clear()
     got, times = run(model, prompts, True, gen_micro_batches)
-    assert eager == want and eager_times.graph_captures == 0
+    assert eager == want and eager_times.graph_eager_steps == 0
     assert got == want
-    keys = expected_keys(gen_micro_batches)
-    assert any(bucket > 64 for _, bucket in keys)                   # the test crosses a bucket boundary
-    assert times.graph_captures == len(keys)
-    decode_steps = (NEW_TOKENS - 1) * gen_micro_batches
-    assert times.graph_replays == decode_steps and decode_steps >= 3 * len(keys)
+    assert (times.graph_captures, times.graph_replays) == (0, 0)
+    assert times.graph_eager_steps == (NEW_TOKENS - 1) * gen_micro_batches
+    warnings = [r.getMessage() for r in caplog.records if "run eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "calls cuBLAS" in warnings[0], warnings
+
+
+def test_more_sequences_than_the_gemv_kernel_takes_run_eagerly_with_the_kernels(fake_cupy):
+    """With the kernels on, a decode step of more than SBI_MAX_TOKENS sequences leaves sbi_gemv for cuBLAS: that
+    key runs eagerly (no crash, NumPy's tokens), while a smaller micro-batch of the same run is captured."""
+    from hpcinfer.backend.cupy_ops import CupyOps
+    from hpcinfer.backend.cupy_sbi import SBI_MAX_TOKENS
+
+    source, new_tokens = tiny_models()["llama-like"], 3
+    lengths = (2,) * (SBI_MAX_TOKENS + 1) + (3,) * 2
+    prompts = prompts_for(source.arch.vocab_size, lengths)
+    want, _ = run(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, False, new_tokens=new_tokens)
+    model = Decoder(CupyOps(device=0, kernels=True), Groups(), source.arch).load(source)
+    times = StepTimes()
+    schedule = ScheduleParams(1, 1, None, True)
+    params = GenerationParams(new_tokens, ignore_eos=True)
+    big = generate_batch(model, prompts[:SBI_MAX_TOKENS + 1], list(range(SBI_MAX_TOKENS + 1)), params, times,
+                         schedule)
+    small = generate_batch(model, prompts[SBI_MAX_TOKENS + 1:], [0, 1], params, times, schedule)
+    schedule.run_graphs.close()
+    assert [t for t, _ in big + small] == want
+    assert times.graph_eager_steps == new_tokens - 1                  # the 17-sequence key: eager
+    assert (times.graph_captures, times.graph_replays) == (1, new_tokens - 1)   # the 2-sequence key: captured
 
 
 @pytest.mark.parametrize("kv_cache", ["none", "int8"])
@@ -211,7 +236,7 @@ def test_a_pipeline_stage_replays_from_received_activations(fake_cupy):
     from hpcinfer.parallel.stages import StageSpec
 
     source = tiny_models()["llama-like"]
-    arch, ops = source.arch, CupyOps(device=0, kernels=False)
+    arch, ops = source.arch, CupyOps(device=0, kernels=True)     # the plain path calls cuBLAS: never captured
     whole = Decoder(ops, Groups(), arch).load(source)
     stages = [Decoder(ops, Groups(), arch, stage=StageSpec(s, 2, 2 * s, 2 * s + 2)).load(source) for s in (0, 1)]
 
@@ -227,7 +252,7 @@ def test_a_pipeline_stage_replays_from_received_activations(fake_cupy):
     x = graphs.stage_step(stages[0], caches[1], {"tokens": tokens}, step)
     got = graphs.stage_step(stages[1], caches[2], {"x": ops.to_host(x)}, step)
     np.testing.assert_allclose(ops.to_host(got), ops.to_host(want), rtol=1e-5, atol=1e-5)
-    for j in range(12):
+    for j in range(5):                                             # prompts of 50 and 61: buckets 64, then 128
         next_tokens = np.argmax(ops.to_host(want), axis=-1)
         step = StepLayout.build([0, 1], [len(p) + j for p in prompts], [1, 1])
         want = whole.forward(next_tokens, step, caches[0])
@@ -272,23 +297,20 @@ def decode_keys(lengths, new_tokens: int, positions: int = 128) -> set:
     return keys
 
 
-@pytest.mark.parametrize("name", ["gpt2-like", "llama-like"])
-@pytest.mark.parametrize("gen_micro_batches", [1, 2])
+@pytest.mark.parametrize("name, gen_micro_batches", [("gpt2-like", 1), ("llama-like", 2)])
 def test_batches_of_one_size_capture_each_key_once_per_run(fake_cupy, name, gen_micro_batches):
-    """6 prompts in 3 batches of 2 on one kept cache (every batch's longest sequence rounds up to 128 positions):
-    the tokens of graphs off and of NumPy, and one capture per (sequences, bucket) key of the whole run, not one
+    """6 prompts in 3 batches of 2 on one kept cache (every batch's longest sequence rounds up to 128 positions),
+    with the kernels (the plain path is never captured): NumPy's tokens, and one capture per (sequences, bucket) key of the whole run, not one
     per key and batch; every decode step replayed."""
     from hpcinfer.backend.cupy_ops import CupyOps
     from hpcinfer.generate.schedule import micro_batches
 
-    source, lengths, new_tokens = tiny_models()[name], (50, 61, 40, 58, 55, 62), 12
+    source, lengths, new_tokens = tiny_models()[name], (50, 61, 40, 58, 55, 62), 8
     prompts = prompts_for(source.arch.vocab_size, lengths)
     want, _, _ = run_batches(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, 2, False,
                              gen_micro_batches, new_tokens)
-    model = Decoder(CupyOps(device=0, kernels=False), Groups(), source.arch).load(source)
-    eager, eager_times, _ = run_batches(model, prompts, 2, False, gen_micro_batches, new_tokens)
+    model = Decoder(CupyOps(device=0, kernels=True), Groups(), source.arch).load(source)
     got, times, caches = run_batches(model, prompts, 2, True, gen_micro_batches, new_tokens)
-    assert eager == want and eager_times.graph_captures == 0
     assert got == want
     assert caches[0] is caches[1] is caches[2] and caches[0].max_len == 128        # reset, not reallocated
     per_batch = [set().union(*(decode_keys([lengths[b + i] for i in group], new_tokens)
@@ -334,7 +356,7 @@ def test_smaller_and_longer_batches(fake_cupy, order, captures, cache_of_batch):
     prompts = prompts_for(source.arch.vocab_size, lengths)
     want, _, _ = run_batches(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, 2, False,
                              new_tokens=new_tokens)
-    model = Decoder(CupyOps(device=0, kernels=False), Groups(), source.arch).load(source)
+    model = Decoder(CupyOps(device=0, kernels=True), Groups(), source.arch).load(source)
     got, times, caches = run_batches(model, prompts, 2, True, new_tokens=new_tokens)
     assert got == want
     assert [[c is d for d in caches].index(True) for c in caches] == cache_of_batch
@@ -369,4 +391,4 @@ def test_hpcinfer_run_checks_the_model_and_ignores_the_key_without_a_gpu(tmp_pat
     if not gpu_available():
         assert "cuda_graphs = true is ignored" in done.stderr
         metrics = json.loads((tmp_path / "metrics.json").read_text())
-        assert metrics["cuda_graphs"] == {"captures_per_rank": 0, "replays_per_rank": 0}
+        assert metrics["cuda_graphs"] == {"captures_per_rank": 0, "replays_per_rank": 0, "eager_steps_per_rank": 0}

@@ -3,9 +3,9 @@ ElementwiseKernel run the real cuda_src/ kernels and snippets on the CPU kernel 
 
 1. The op cases of tests/test_cupy_ops.py (imported, not copied), with its tolerances, for CupyOps with the
    kernels and with its plain-CuPy fallback, against NumpyOps; its dtype round trips.
-2. CUDA graphs: test_cupy_ops' DecodeGraph test (capture, replay at new positions = eager), a step that uploads a
-   host array inside the capture fails with a clear error, and the fake's graph semantics (replay = same memory,
-   same baked scalars; views unrecorded; syncs inside capture refused).
+2. CUDA graphs: test_cupy_ops' DecodeGraph test (capture, replay at new positions = eager), a step that cannot
+   be captured (cuBLAS, a host upload) runs eagerly with its reason kept, and the fake's graph semantics (replay =
+   same memory, same baked scalars; views unrecorded; syncs and cuBLAS inside capture refused as CuPy does).
 3. End to end: the tiny presets generate the same greedy tokens with CupyOps on the fake as with NumpyOps.
 4. The fake's own refusals, so that the checks above mean something: kernel argument types and sizes, writes past
    an allocation, compile errors, ElementwiseKernel dtypes, host arrays in device math, dtypes cupy lacks.
@@ -71,7 +71,13 @@ def test_decode_graph_replays_with_new_inputs_and_matches_eager(emu_gpu):
     gpu_cases.test_decode_graph_replays_with_new_inputs_and_matches_eager(emu_gpu)
 
 
-def test_decode_graph_refuses_a_host_upload_inside_the_capture(emu_gpu):
+def test_a_step_whose_capture_fails_runs_eagerly(emu_gpu):
+    gpu_cases.test_a_step_whose_capture_fails_runs_eagerly(emu_gpu)
+
+
+def test_a_host_upload_inside_the_capture_makes_the_key_eager(emu_gpu):
+    """A step that uploads a host array at every call cannot be captured (CUDA refuses the copy): the key runs
+    eagerly, with the reason kept, and the outputs are the eager ones; the stream is out of capture mode."""
     from hpcinfer.backend.cupy_graphs import DecodeGraph
 
     gpu, rng = emu_gpu, np.random.default_rng(0)
@@ -79,16 +85,41 @@ def test_decode_graph_refuses_a_host_upload_inside_the_capture(emu_gpu):
     bias = gpu_cases.randn(rng, 8)                               # a host array, uploaded at every call
 
     def step_fn(inputs, step):
-        return gpu.linear(inputs["x"], w, gpu.asarray(bias))
+        return gpu.linear(gpu.asarray(inputs["x"]), w, gpu.asarray(bias))
 
     graph = DecodeGraph(gpu)
-    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph") as info:
-        graph(step_fn, {"x": gpu_cases.randn(rng, 2, 8)}, [0, 1], [3, 4])
-    assert "cudaErrorStreamCaptureUnsupported" in str(info.value)
-    assert "host -> device" in str(info.value)
-    assert not graph.captured
+    for starts in ([3, 4], [5, 6]):
+        x = gpu_cases.randn(rng, 2, 8)
+        got = graph(step_fn, {"x": x}, [0, 1], starts)
+        np.testing.assert_allclose(gpu.to_host(got), x @ gpu.to_host(w).T + bias, rtol=1e-5, atol=1e-5)
+    why = graph.eager_keys[(2, 64)]
+    if gpu.kernels:
+        assert "cudaErrorStreamCaptureUnsupported" in why and "host -> device" in why, why
+    else:
+        assert "calls cuBLAS" in why, why                      # the plain linear: found before any capture
+    assert not graph.captured and graph.eager_steps == 2
     assert not graph.stream.is_capturing()
     gpu.xp.cuda.get_current_stream().synchronize()               # the capture is over: syncs work again
+
+
+@pytest.mark.parametrize("call", ["matmul", "operator", "dot", "ndarray.dot", "einsum", "tensordot"])
+def test_cublas_inside_a_capture_is_refused_as_cupy_does(emu_gpu, call):
+    """CuPy 14 raises NotImplementedError for any cuBLAS call on a capturing stream (cublas.setStream), before
+    the library runs: the capture is still valid and ends normally. Outside a capture the same calls work."""
+    cp = emu_gpu.xp
+    a = cp.asarray(np.eye(3, dtype=np.float32))
+    calls = {"matmul": lambda: cp.matmul(a, a), "operator": lambda: a @ a, "dot": lambda: cp.dot(a, a),
+             "ndarray.dot": lambda: a.dot(a), "einsum": lambda: cp.einsum("ij,jk->ik", a, a),
+             "tensordot": lambda: cp.tensordot(a, a, axes=1)}
+    np.testing.assert_array_equal(cp.asnumpy(calls[call]()), np.eye(3))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        b = a + 1                                                # recorded
+        with pytest.raises(NotImplementedError, match="calling cuBLAS API during stream capture"):
+            calls[call]()
+        graph = stream.end_capture()
+    assert len(graph) == 1 and int(b[0, 0]) == 2
 
 
 def test_graph_replay_uses_the_captured_memory_and_scalars(emu_gpu):

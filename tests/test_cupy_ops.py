@@ -309,8 +309,29 @@ def test_decode_graph_replays_with_new_inputs_and_matches_eager(gpu):
         np.testing.assert_allclose(gpu.to_host(got), gpu.to_host(want), rtol=1e-5, atol=1e-5)
         for c, e in zip(cache, eager_cache):
             np.testing.assert_array_equal(gpu.to_host(c), gpu.to_host(e))
-    assert list(graph.captured) == [(3, 64)]
+    if gpu.kernels:
+        assert list(graph.captured) == [(3, 64)] and not graph.eager_keys
+    else:                                     # the plain path's matmuls are cuBLAS, which CuPy cannot capture
+        assert not graph.captured and list(graph.eager_keys) == [(3, 64)] and graph.eager_steps == 3
     cp.cuda.get_current_stream().synchronize()
+
+
+def test_a_step_whose_capture_fails_runs_eagerly(gpu):
+    """A step that calls cuBLAS behind CupyOps' back (not counted in library_calls) passes its warm-up, then CuPy
+    refuses it under capture: the graph ends the capture, the key runs eagerly from then on, and every output is
+    the eager one: a graph never ends a job."""
+    from hpcinfer.backend.cupy_graphs import DecodeGraph
+
+    cp, rng = gpu.xp, np.random.default_rng()
+    w = gpu.asarray(randn(rng, 8, 8))
+    graph = DecodeGraph(gpu)
+    for starts in ([3, 5], [4, 6]):
+        x = randn(rng, 2, 8)
+        got = graph(lambda inputs, step: cp.matmul(gpu.asarray(inputs["x"]), w), {"x": x}, [0, 1], starts)
+        np.testing.assert_allclose(gpu.to_host(got), x @ gpu.to_host(w), rtol=1e-5, atol=1e-5)
+    assert not graph.captured and graph.captures == 0
+    assert "capturing it failed: NotImplementedError" in graph.eager_keys[(2, 64)] and graph.eager_steps == 2
+    assert not cp.cuda.get_current_stream().is_capturing() and not graph.stream.is_capturing()
 
 
 # ---------------------------------------------------------------------------------------------- end to end

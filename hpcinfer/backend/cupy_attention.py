@@ -141,10 +141,10 @@ def _decode_attention(ops, q, cache_k, cache_v, slots, starts, L: int, step: Ste
     else:
         keys, values = cache_k[slots, :, :L], cache_v[slots, :, :L]              # [S, Hkv, L, hd]
     qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)             # [S, Hkv, g, hd]
-    scores = cp.matmul(qg, keys.transpose(0, 1, 3, 2))                            # [S, Hkv, g, L]
+    scores = ops.matmul(qg, keys.transpose(0, 1, 3, 2))                            # [S, Hkv, g, L]
     visible = cp.arange(L)[None, :] < (starts + 1)[:, None]                      # [S, L]
     scores += cp.where(visible, F32(0), F32(-np.inf))[:, None, None, :]
-    out = cp.matmul(softmax(cp, scores), values)                                 # [S, Hkv, g, hd]
+    out = ops.matmul(softmax(cp, scores), values)                                 # [S, Hkv, g, hd]
     return out.reshape(S, heads * hd)
 
 
@@ -155,12 +155,12 @@ def causal_attention(ops, q, k_seq, v_seq, start: int, scale: float):
     kv_heads = k_seq.shape[0]
     group, length = heads // kv_heads, start + n
     qg = (q * F32(scale)).transpose(1, 0, 2).reshape(kv_heads, group * n, hd)    # [Hkv, g*n, hd]
-    scores = cp.matmul(qg, k_seq[:, :length].transpose(0, 2, 1)).reshape(kv_heads, group, n, length)
+    scores = ops.matmul(qg, k_seq[:, :length].transpose(0, 2, 1)).reshape(kv_heads, group, n, length)
     if n > 1:
         future = cp.arange(length)[None, :] > (start + cp.arange(n))[:, None]   # [n, L]
         scores += cp.where(future, F32(-np.inf), F32(0))
     probs = softmax(cp, scores).reshape(kv_heads, group * n, length)
-    out = cp.matmul(probs, v_seq[:, :length])                                     # [Hkv, g*n, hd]
+    out = ops.matmul(probs, v_seq[:, :length])                                     # [Hkv, g*n, hd]
     return out.reshape(heads, n, hd).transpose(1, 0, 2).reshape(n, heads * hd)
 
 
@@ -190,10 +190,10 @@ def bidirectional_attention(ops, q, k, v, step: StepLayout, scale: float):
         valid = cp.asarray(np.arange(L)[None, :] < lengths[:, None])
         q, k, v = q[index], k[index], v[index]                                 # [S, L, H, hd]
     q, k, v = (a.reshape(S, L, heads, hd).transpose(0, 2, 1, 3) for a in (q, k, v))   # [S, H, L, hd]
-    scores = cp.matmul(q * F32(scale), k.transpose(0, 1, 3, 2))                # [S, H, L, L]
+    scores = ops.matmul(q * F32(scale), k.transpose(0, 1, 3, 2))                # [S, H, L, L]
     if ragged:
         scores += cp.where(valid, F32(0), F32(-np.inf))[:, None, None, :]
-    out = cp.matmul(softmax(cp, scores), v).transpose(0, 2, 1, 3).reshape(S, L, heads * hd)
+    out = ops.matmul(softmax(cp, scores), v).transpose(0, 2, 1, 3).reshape(S, L, heads * hd)
     return out[valid] if ragged else out.reshape(T, heads * hd)
 
 

@@ -107,9 +107,9 @@ def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
     keys[at, :, starts] = k                                                           # unquantized, as FlexGen
     values[at, :, starts] = v
     qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)                 # [S, Hkv, g, hd]
-    scores = cp.matmul(qg, keys.transpose(0, 1, 3, 2))                                # [S, Hkv, g, L]
+    scores = ops.matmul(qg, keys.transpose(0, 1, 3, 2))                                # [S, Hkv, g, L]
     scores += cp.where(cp.arange(L)[None, :] <= starts[:, None], F32(0), F32(-np.inf))[:, None, None, :]
-    out = cp.matmul(_softmax(cp, scores), values)                                     # [S, Hkv, g, hd]
+    out = ops.matmul(_softmax(cp, scores), values)                                     # [S, Hkv, g, hd]
     append(ops, k, v, cache_k, cache_v, slots, starts, cp.arange(S + 1, dtype=np.int64), 1)
     return out.reshape(S, heads * hd)
 
@@ -156,7 +156,7 @@ def _top_k_decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float
         cache_v[slots, :, starts] = v
         keys = cache_k[slots, :, :L]
     qg = (q * F32(scale)).reshape(S, kv_heads, group, hd)                             # [S, Hkv, g, hd]
-    scores = cp.matmul(qg, keys.transpose(0, 1, 3, 2))                                # [S, Hkv, g, L]
+    scores = ops.matmul(qg, keys.transpose(0, 1, 3, 2))                                # [S, Hkv, g, L]
     scores += cp.where(cp.arange(L)[None, :] < cp.asarray(lengths)[:, None], F32(0), F32(-np.inf))[:, None, None, :]
     keep = keep_counts(lengths, topk)                                                 # [S] host
     K = int(keep.max())
@@ -174,7 +174,7 @@ def _top_k_decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float
         rows = cp.where((idx == starts[:, None, None, None])[..., None], v[:, :, None, None, :], rows)
     else:
         rows = cache_v[slots[s_ix], h_ix, idx]                                        # [S, Hkv, g, K, hd]
-    out = cp.matmul(probs[..., None, :], rows)[..., 0, :]                             # [S, Hkv, g, hd]
+    out = ops.matmul(probs[..., None, :], rows)[..., 0, :]                             # [S, Hkv, g, hd]
     if quantized:
         append(ops, k, v, cache_k, cache_v, slots, starts, cp.arange(S + 1, dtype=np.int64), 1)
     return out.reshape(S, heads * hd)

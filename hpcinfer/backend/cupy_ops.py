@@ -102,6 +102,7 @@ class CupyOps:
         self.k = _elementwise_kernels(cupy)
         self.kernels = kernels               # launch cuda_src/ kernels where they exist (False: plain CuPy only)
         self._sm_count = None
+        self.library_calls = 0               # cuBLAS calls made (matmul): a CUDA graph cannot capture them
 
     def use_device(self) -> None:
         """Make this rank's GPU current on the calling host thread (CUDA's current device is per thread: threads
@@ -152,6 +153,13 @@ class CupyOps:
             return self.k.bf16_to_f32(a)
         return a if a.dtype == F32 else a.astype(F32)
 
+    def matmul(self, a, b):
+        """cupy.matmul (cuBLAS), counted in `library_calls`: CuPy refuses every cuBLAS call while a stream
+        captures (NotImplementedError; cupy/cupy#6290), so DecodeGraph captures only the steps whose eager warm-up
+        made none. Every cuBLAS call of this backend goes through here."""
+        self.library_calls += 1
+        return self.xp.matmul(a, b)
+
     # ---- dense math --------------------------------------------------------------------------------------------
     def linear(self, x, w, bias=None):
         """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out] float32. Kernel: sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS,
@@ -160,7 +168,7 @@ class CupyOps:
         y = cupy_sbi.fused_linear(self, x, w, bias)
         if y is not None:
             return y
-        y = self.xp.matmul(self._f32(x), self._f32(w).T)
+        y = self.matmul(self._f32(x), self._f32(w).T)
         if bias is not None:
             y += bias
         return y

@@ -162,7 +162,7 @@ def tiled_linear(ops, x, dq: DeviceQuantizedTensor, bias, tile_rows: int | None 
         stop = min(start + R, out)
         tile = buffer[:stop - start]
         dequantize_rows(ops, dq, tile, cp.arange(start, stop, dtype=np.int64))
-        y[:, start:stop] = cp.matmul(x, tile.T)
+        y[:, start:stop] = ops.matmul(x, tile.T)
     if bias is not None:
         y += bias
     return y

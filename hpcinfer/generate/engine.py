@@ -79,6 +79,7 @@ class StepTimes:
     weights_bytes_from_disk: int = 0
     graph_captures: int = 0      # [runtime] cuda_graphs: decode graphs captured (once per run and key)
     graph_replays: int = 0       # decode steps run from a captured graph
+    graph_eager_steps: int = 0   # decode steps of keys a graph cannot capture (cuBLAS), run eagerly instead
 
 
 def generate_batch(model, prompts: list, indices: list, params: GenerationParams, times: StepTimes,

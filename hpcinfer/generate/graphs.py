@@ -44,14 +44,14 @@ class DecodeGraphs:
         self.model, self.cache = model, cache
         self.graph = DecodeGraph(model.ops, SMALLEST_BUCKET)
         self.kept = kept                                  # True: RunGraphs keeps it across batches (closes it)
-        self.replays = 0
+        self.steps = 0                                    # decode steps run through here (replayed or eager)
 
     def applies(self, step) -> bool:
         """A decode step with at least one sequence, over layers whose KV stays on the device."""
         return step.is_decode and step.num_seqs > 0 and not self.cache.offloading
 
     def __call__(self, step, inputs: dict):
-        self.replays += 1
+        self.steps += 1
         return self.graph(lambda static, device_step: stage_step(self.model, self.cache, static, device_step),
                           inputs, step.slots, step.starts)
 
@@ -59,6 +59,16 @@ class DecodeGraphs:
     def captures(self) -> int:
         """Graphs captured so far (the metrics count the difference over a batch)."""
         return self.graph.captures
+
+    @property
+    def replays(self) -> int:
+        """Decode steps run from a captured graph (a key's first step included: captured, then launched)."""
+        return self.steps - self.graph.eager_steps
+
+    @property
+    def eager_steps(self) -> int:
+        """Decode steps of keys that cannot be captured (they called cuBLAS), run eagerly so far."""
+        return self.graph.eager_steps
 
     def fits(self, model, slots: int, max_len: int) -> bool:
         """Whether a batch of `slots` sequences, none longer than `max_len`, can run on this cache."""

@@ -44,7 +44,7 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
 
     # with [runtime] cuda_graphs on cupy: the run's cache and graphs, kept across batches; else graphs is None
     cache, graphs = batch_cache(model, schedule, len(seqs), max((s.capacity for s in seqs), default=1), make_cache)
-    counted = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
+    counted = (graphs.captures, graphs.replays, graphs.eager_steps) if graphs is not None else (0, 0, 0)
     runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits,
                           lockstep, graphs)
     start = time.perf_counter()
@@ -62,6 +62,7 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
     if graphs is not None:
         times.graph_captures += graphs.captures - counted[0]
         times.graph_replays += graphs.replays - counted[1]
+        times.graph_eager_steps += graphs.eager_steps - counted[2]
         if not graphs.kept:
             graphs.close()
     if stage.is_last:

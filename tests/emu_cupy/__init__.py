@@ -35,6 +35,10 @@ What it checks, as a GPU would refuse it:
   mask indexing, nonzero/unique, ...)
   raise `cuda.runtime.CUDARuntimeError` (cudaErrorStreamCaptureUnsupported) and invalidate the capture (its
   end_capture raises too); device work on another stream during a capture raises cudaErrorStreamCaptureImplicit.
+  cuBLAS calls on the capturing stream (`cupy.matmul`, `dot`, `vdot`, `inner`, `tensordot`, `einsum`, the `@`
+  operator, `ndarray.dot`) raise NotImplementedError("calling cuBLAS API during stream capture is currently
+  unsupported"), as CuPy 14's cublas.setStream does (cupy/cupy#6290), before anything is recorded: the capture
+  stays valid. (`cupy.random`, which CuPy refuses likewise for cuRAND, is not emulated at all.)
   `end_capture()` returns a Graph whose `launch()` replays the closures in order with the same memory and the same
   scalars, as a CUDA graph does: a value baked in from the host at capture time gives wrong results at replay.
 - streams, events and pinned memory (an async copy engine's ordering bugs): the current stream is per host thread

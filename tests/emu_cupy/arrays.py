@@ -218,9 +218,13 @@ class ndarray(NDArrayOperatorsMixin):
 
     # --- numpy protocols
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if ufunc is np.matmul:
+            state._state.library_call("the @ operator (cupy.matmul)")
         return _op(getattr(ufunc, method), inputs, kwargs, what=f"{ufunc.__name__}.{method}")
 
     def __array_function__(self, func, types_, args, kwargs):
+        if func.__name__ in ("matmul", "dot", "vdot", "inner", "tensordot", "einsum"):
+            state._state.library_call(f"numpy.{func.__name__} on device arrays (cuBLAS)")
         return _op(func, args, kwargs, what=func.__name__)
 
     # --- indexing
@@ -264,6 +268,8 @@ class ndarray(NDArrayOperatorsMixin):
                 state._state.host_sync(f"ndarray.{name}() (device -> host)")
 
             def method(*args, **kwargs):
+                if name == "dot":
+                    state._state.library_call("ndarray.dot (cuBLAS)")
                 return _op(lambda a, *rest, **kw: getattr(a, name)(*rest, **kw), (self, *args), kwargs,
                            what=f"ndarray.{name}")
             return method

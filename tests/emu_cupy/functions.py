@@ -57,6 +57,8 @@ def is_available():
     return True
 
 
+# cupy functions that call cuBLAS (GEMM / GEMV / dot) for float inputs: refused while the stream captures
+CUBLAS = {"matmul", "dot", "vdot", "inner", "tensordot", "einsum"}
 _SYNCING = {"nonzero", "argwhere", "flatnonzero", "unique", "compress", "extract", "array_equal", "allclose"}
 
 
@@ -64,6 +66,8 @@ def _numpy_function(name):
     fn = getattr(np, name)
 
     def device_function(*args, **kwargs):
+        if name in CUBLAS:
+            state._state.library_call(f"cupy.{name}")
         if name in _SYNCING or (name == "where" and len(args) == 1):
             state._state.host_sync(f"cupy.{name} (its result size or value goes to the host)")
         return _op(fn, args, kwargs, what=f"cupy.{name}")

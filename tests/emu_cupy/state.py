@@ -98,6 +98,13 @@ class _State:
         self.order_before(stream or self.current())
         return ops
 
+    def library_call(self, what: str):
+        """A cuBLAS (or cuRAND) call: CuPy 14 refuses it while the current stream captures, before anything reaches
+        the library (cupy/cuda/cublas.pyx setStream: NotImplementedError; cupy/cupy#6290). The capture itself
+        stays valid: nothing was enqueued."""
+        if self.capturing is not None and self.current() is self.capturing:
+            raise NotImplementedError(f"calling cuBLAS API during stream capture is currently unsupported ({what})")
+
     def host_sync(self, what: str):
         """A host <-> device transfer or a host sync: not allowed while a stream captures."""
         if self.capturing is not None:
