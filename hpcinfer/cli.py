@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import HpcinferError
+from .comm.mpi_library import load_mpi
+from .errors import ConfigError, HpcinferError
 from .quant.formats import LOAD_MODES
 
 
@@ -110,11 +111,11 @@ def _offload_parsers(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "run":
-        from .runtime import main_run
-
-        return main_run(args.config, args.overrides, args.restart)
     try:
+        if args.command == "run":
+            from .runtime import main_run
+
+            return main_run(args.config, args.overrides, args.restart)     # errors after MPI loads: its own
         if args.command == "convert":
             return _convert(args.source, args.output, args.dtype, args.quantize, args.group_size,
                             args.keep_quantized)
@@ -176,7 +177,6 @@ def _inspect(path: str, verify: bool = False) -> int:
 
 def _bytes_option(name: str, value: str | None) -> int | None:
     from .config import parse_bytes
-    from .errors import ConfigError
 
     if value is None:
         return None
@@ -198,8 +198,6 @@ def _disk_dir(args) -> str:
     import os
     import tempfile
 
-    from .errors import ConfigError
-
     disk_dir = getattr(args, "disk_dir", None) or tempfile.gettempdir()
     if not os.path.isdir(disk_dir):
         raise ConfigError(f"--disk-dir '{disk_dir}' is not a directory")
@@ -208,7 +206,6 @@ def _disk_dir(args) -> str:
 
 def _measure(args):
     from .backend.ops import make_ops
-    from .errors import ConfigError
     from .offload.profile import measure
 
     disk_dir = _disk_dir(args)
@@ -228,7 +225,6 @@ def _measure(args):
 def _profile(args) -> int:
     import time
 
-    from .errors import ConfigError
     from .offload.profile import save_profile
 
     t0 = time.perf_counter()
@@ -254,10 +250,12 @@ LINK_DEFAULTS_NOTE = ("gpus_per_node = {gpus} ({how}); intra_node_* and inter_no
 
 
 def _mpi_world():
-    """MPI.COMM_WORLD when this process runs under mpiexec with >= 2 ranks, else None (a 1-process run)."""
+    """MPI.COMM_WORLD when this process runs under mpiexec with >= 2 ranks, else None (a 1-process run; also when
+    mpi4py is missing or finds no MPI library, said on stderr: the profile of one process needs no MPI)."""
     try:
-        from mpi4py import MPI
-    except ImportError:
+        MPI = load_mpi()
+    except ConfigError as exc:
+        print(f"hpcinfer: warning: profiling this process alone: {exc}", file=sys.stderr)
         return None
     return MPI.COMM_WORLD if MPI.COMM_WORLD.size >= 2 else None
 
@@ -284,7 +282,6 @@ def _measure_ranks(args, comm):
     import dataclasses
 
     from .backend.ops import make_ops
-    from .errors import ConfigError
     from .perf.links import measure_ranks
 
     disk_dir = _disk_dir(args)
@@ -309,7 +306,6 @@ def _plan_model(spec: str):
     import os
 
     from .checkpoint.presets import PRESETS
-    from .errors import ConfigError
 
     if spec in PRESETS:
         return PRESETS[spec], "float32"
@@ -338,7 +334,6 @@ def _layout_plan_arguments(plan) -> None:
 
 
 def _plan(args) -> int:
-    from .errors import ConfigError
     from .offload.lp import search_policy
     from .offload.profile import resolve_profile
     from .quant.planning import planned_kv_format, planned_quant_of
@@ -385,8 +380,6 @@ def _count(n: int) -> str:
 
 
 def _fixed_percentages(items: list[str]) -> dict:
-    from .errors import ConfigError
-
     fixed = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -403,8 +396,6 @@ def _fixed_percentages(items: list[str]) -> dict:
 def _check_fixed_sums(fixed: dict) -> None:
     """The gpu / cpu / disk percentages of weights, cache and activations each sum to 100: fixed ones may not
     sum to more, and all three fixed must sum to exactly 100."""
-    from .errors import ConfigError
-
     for what in ("weights", "cache", "act"):
         keys = [f"{what}_{tier}" for tier in ("gpu", "cpu", "disk") if f"{what}_{tier}" in fixed]
         total = sum(fixed[k] for k in keys)

@@ -21,6 +21,7 @@ import traceback
 from .backend.ops import make_ops
 from .comm.group import Groups, MoELayout
 from .comm.mesh import build_mesh, shared_memory_ranks
+from .comm.mpi_library import load_mpi
 from .comm.nccl_group import NcclGroup, device_group_factory, resolve_comm
 from .comm.pipeline import StageLink
 from .config import load_config
@@ -62,9 +63,7 @@ def agree(world, step):
 
 
 def main_run(config_path: str, overrides: list[str], restart: bool = False) -> int:
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
+    world = load_mpi().COMM_WORLD
     setup_logging(world.Get_rank())
     stop = StopFlag()
     stop.install()
