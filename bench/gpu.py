@@ -1,11 +1,12 @@
 """GPU benchmark, in one run on the CuPy backend (issue 5, Performance; docs/gpu.md, bench/README.md):
 
   copy     device-to-device copy bandwidth of a large buffer: the reference for decode
-  decode   batch-1 decode of dense presets with float16 dummy weights: time per token, and achieved bandwidth =
-           (weight bytes + KV bytes read per token) / time, as a fraction of the copy bandwidth (target >= 0.8)
-  graphs   the same decode with `[runtime] cuda_graphs` off and on
+  decode   decode of dense presets with float16 dummy weights at batch 1 (and the `--decode-batch` sizes): time
+           per step, and achieved bandwidth = (weight bytes + KV bytes read per step) / time, as a fraction of the
+           copy bandwidth (target >= 0.8 at batch 1)
+  graphs   the same decode with `[runtime] cuda_graphs` off and on (and the steps that ran eagerly)
   hf       Hugging Face transformers eager (torch, float16, random weights of the same config) on the same GPU:
-           time per token at batch 1, and its ratio to hpcinfer's (target >= 3x)
+           time per step at the same batch sizes, and its ratio to hpcinfer's (target >= 3x)
   prefill  the prompt phase at batch 8 x 128 and x 512 tokens: achieved TFLOP/s (FLOPs of the forward counted
            by `prefill_flops`) against a cuBLAS GEMM (cupy.matmul) of the MLP's shape measured in the same run
   moe      gating + dispatch + combine on the device: CupyOps top_k_gating -> route -> permute -> unpermute
@@ -60,6 +61,7 @@ class Settings:
     moe_top_k: int = 1
     repeats: int = 5
     kernels: bool = True
+    decode_batches: tuple = (1,)    # decode, graphs, hf: sequences per step (results keyed "<preset> x<B>" past 1)
 
 
 QUICK = Settings(presets=("tiny-dense",), copy_bytes=8 << 20, prompt_len=12, new_tokens=4, prefill_batch=2,
@@ -79,9 +81,10 @@ def matrix_params(arch) -> tuple[int, int]:
     return layers, head
 
 
-def decode_bytes(arch, weight_itemsize: int, context: float, kv_itemsize: int = KV_ITEMSIZE) -> dict:
-    """Bytes one batch-1 decode step must read: every weight once (the matrices, the LM head, the 1-D norm and bias
-    vectors, one embedding row and one position row) and the K and V of `context` cached positions per layer."""
+def decode_bytes(arch, weight_itemsize: int, context: float, kv_itemsize: int = KV_ITEMSIZE, batch: int = 1) -> dict:
+    """Bytes one decode step of `batch` sequences must read: every weight once (the matrices, the LM head, the 1-D
+    norm and bias vectors, one embedding row and one position row) and the K and V of `context` cached positions
+    per layer and sequence."""
     from hpcinfer.model.arch import tensor_shapes
 
     shapes = tensor_shapes(arch)
@@ -89,7 +92,7 @@ def decode_bytes(arch, weight_itemsize: int, context: float, kv_itemsize: int = 
     layers, head = matrix_params(arch)
     rows = arch.hidden_size * (2 if arch.position == "learned" else 1)     # token (+ position) embedding row
     weights = (layers + head + vectors + rows) * weight_itemsize
-    kv = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * context * kv_itemsize
+    kv = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * context * kv_itemsize * batch
     return {"weights": int(weights), "kv": float(kv), "total": float(weights + kv)}
 
 
@@ -181,10 +184,11 @@ def prompts_of(arch, batch: int, length: int, seed: int = 0) -> list:
     return [rng.integers(0, arch.vocab_size, size=length).tolist() for _ in range(batch)]
 
 
-def bench_decode(model, arch, s: Settings, cuda_graphs: bool, copy_GBps: float | None) -> dict:
-    """Median step time of batch-1 decode after a `prompt_len` prompt, `new_tokens - 1` steps per generation,
-    `repeats` generations after a warm-up one (which also compiles the kernels and, with graphs, captures)."""
-    prompts = prompts_of(arch, 1, s.prompt_len)
+def bench_decode(model, arch, s: Settings, cuda_graphs: bool, copy_GBps: float | None, batch: int = 1) -> dict:
+    """Median step time of decode at `batch` sequences after `prompt_len` prompts, `new_tokens - 1` steps per
+    generation, `repeats` generations after a warm-up one (which also compiles the kernels and, with graphs,
+    captures)."""
+    prompts = prompts_of(arch, batch, s.prompt_len)
     generate(model, prompts, s.new_tokens, cuda_graphs)                        # warm-up
     steps, captures, replays, eager = [], 0, 0, 0
     for _ in range(s.repeats):
@@ -195,8 +199,8 @@ def bench_decode(model, arch, s: Settings, cuda_graphs: bool, copy_GBps: float |
     t = median(steps)
     # decode step j (1 .. new_tokens - 1) attends over prompt_len + j positions: the mean context
     context = s.prompt_len + s.new_tokens / 2
-    nbytes = decode_bytes(arch, np.dtype(s.dtype).itemsize, context)
-    res = {"cuda_graphs": cuda_graphs, "steps": len(steps), "ms_per_token": t * 1e3,
+    nbytes = decode_bytes(arch, np.dtype(s.dtype).itemsize, context, batch=batch)
+    res = {"cuda_graphs": cuda_graphs, "batch": batch, "tokens_per_s": batch / t, "steps": len(steps), "ms_per_token": t * 1e3,
            "step_ms": [x * 1e3 for x in steps], "mean_context": context, "bytes_per_token": nbytes,
            "GBps": nbytes["total"] / t / 1e9, "graph_captures": captures, "graph_replays": replays,
            "graph_eager_steps": eager}
@@ -249,9 +253,9 @@ def hf_config(arch):
     return None, f"no transformers class mapped for family {arch.family}"
 
 
-def bench_hf(arch, s: Settings) -> dict:
-    """transformers eager, float16, random weights (timing only), batch 1: median decode step time after a
-    `prompt_len` prompt, each step = forward of one token with the cache + argmax, synchronized."""
+def bench_hf(arch, s: Settings, batch: int = 1) -> dict:
+    """transformers eager, float16, random weights (timing only), `batch` sequences: median decode step time after
+    `prompt_len` prompts, each step = forward of one token per sequence with the cache + argmax, synchronized."""
     try:
         import torch
         import transformers  # noqa: F401
@@ -273,7 +277,7 @@ def bench_hf(arch, s: Settings) -> dict:
             model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float16)
     model.eval()
     load_s = time.perf_counter() - t0
-    ids = torch.randint(0, arch.vocab_size, (1, s.prompt_len), device="cuda")
+    ids = torch.randint(0, arch.vocab_size, (batch, s.prompt_len), device="cuda")
     steps = []
     with torch.inference_mode():
         for rnd in range(s.repeats + 1):                   # round 0: warm-up
@@ -291,7 +295,7 @@ def bench_hf(arch, s: Settings) -> dict:
            "attn_implementation": getattr(model.config, "_attn_implementation", None), "load_s": load_s,
            "params": sum(p.numel() for p in model.parameters()), "hpcinfer_params": arch.param_count(),
            "torch": torch.__version__, "transformers": transformers.__version__,
-           "step_ms": [x * 1e3 for x in steps], "ms_per_token": median(steps) * 1e3}
+           "batch": batch, "step_ms": [x * 1e3 for x in steps], "ms_per_token": median(steps) * 1e3}
     del model, past, out
     torch.cuda.empty_cache()
     return res
@@ -398,6 +402,31 @@ def guarded(what: str, fn, *args):
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def decode_key(name: str, batch: int) -> str:
+    """A decode cell's name: the preset at batch 1, "<preset> x<B>" at batch B."""
+    return name if batch == 1 else f"{name} x{batch}"
+
+
+def decode_and_graphs(res: dict, only: set, model, arch, s: Settings, copy_GBps, name: str, batch: int, save):
+    """The decode and graphs cells of one preset at one batch size (graphs reuse decode's eager timing)."""
+    key = decode_key(name, batch)
+    if "decode" in only:
+        log(f"{key}: decode")
+        res["decode"][key] = guarded(f"{key}: decode", bench_decode, model, arch, s, False, copy_GBps, batch)
+        save(res)
+    if "graphs" in only:
+        log(f"{key}: decode, cuda_graphs off and on")
+        off = res["decode"].get(key, {}) if "decode" in only else {}
+        if "ms_per_token" not in off:
+            off = guarded(f"{key}: decode", bench_decode, model, arch, s, False, copy_GBps, batch)
+        on = guarded(f"{key}: decode with cuda_graphs", bench_decode, model, arch, s, True, copy_GBps, batch)
+        both = "ms_per_token" in off and "ms_per_token" in on
+        res["graphs"][key] = {"off_ms_per_token": off.get("ms_per_token"), "on_ms_per_token": on.get("ms_per_token"),
+                              "speedup": off["ms_per_token"] / on["ms_per_token"] if both else None,
+                              "off": off, "on": on}
+        save(res)
+
+
 def run(s: Settings, only: set, save=lambda sections: None) -> dict:
     """Every selected section; `save(sections)` after each one, so that a run cut short keeps what it measured."""
     import cupy as cp
@@ -431,23 +460,11 @@ def run(s: Settings, only: set, save=lambda sections: None) -> dict:
             else:
                 model, arch, load_s = loaded
                 device_bytes = cp.get_default_memory_pool().used_bytes()
+                for batch in s.decode_batches:
+                    decode_and_graphs(res, only, model, arch, s, copy_GBps, name, batch, save)
                 if "decode" in only:
-                    log(f"{name}: decode")
-                    res["decode"][name] = guarded(f"{name}: decode", bench_decode, model, arch, s, False, copy_GBps)
-                    res["decode"][name].update(load_s=load_s, device_bytes_after_load=device_bytes)
-                    save(res)
-                if "graphs" in only:
-                    log(f"{name}: decode, cuda_graphs off and on")
-                    off = res["decode"].get(name, {}) if "decode" in only else {}
-                    if "ms_per_token" not in off:
-                        off = guarded(f"{name}: decode", bench_decode, model, arch, s, False, copy_GBps)
-                    on = guarded(f"{name}: decode with cuda_graphs", bench_decode, model, arch, s, True, copy_GBps)
-                    both = "ms_per_token" in off and "ms_per_token" in on
-                    res["graphs"][name] = {"off_ms_per_token": off.get("ms_per_token"),
-                                           "on_ms_per_token": on.get("ms_per_token"),
-                                           "speedup": off["ms_per_token"] / on["ms_per_token"] if both else None,
-                                           "off": off, "on": on}
-                    save(res)
+                    first = decode_key(name, s.decode_batches[0])
+                    res["decode"][first].update(load_s=load_s, device_bytes_after_load=device_bytes)
                 if "prefill" in only:
                     log(f"{name}: prefill")
                     res["prefill"][name] = guarded(f"{name}: prefill", bench_prefill, model, arch, s, cp, timer)
@@ -457,14 +474,16 @@ def run(s: Settings, only: set, save=lambda sections: None) -> dict:
         if "hf" in only:
             from hpcinfer.checkpoint.presets import PRESETS
 
-            log(f"{name}: transformers eager")
-            hf = guarded(f"{name}: transformers", bench_hf, PRESETS[name], s)
-            ours = res["decode"].get(name, {}) if "decode" in only else {}
-            if "ms_per_token" in hf:
-                hf["hpcinfer_speedup"] = (hf["ms_per_token"] / ours["ms_per_token"] if "ms_per_token" in ours
-                                          else None)
-            res["hf"][name] = hf
-            save(res)
+            for batch in s.decode_batches:
+                key = decode_key(name, batch)
+                log(f"{key}: transformers eager")
+                hf = guarded(f"{key}: transformers", bench_hf, PRESETS[name], s, batch)
+                ours = res["decode"].get(key, {}) if "decode" in only else {}
+                if "ms_per_token" in hf:
+                    hf["hpcinfer_speedup"] = (hf["ms_per_token"] / ours["ms_per_token"] if "ms_per_token" in ours
+                                              else None)
+                res["hf"][key] = hf
+                save(res)
     return res
 
 
@@ -522,11 +541,11 @@ def report(result: dict) -> str:
     lines.extend([_why(c) or f"{c['bytes'] >> 20} MiB: {c['median_ms']:.3g} ms, {c['GBps']:.4g} GB/s (bytes read + "
                   f"written)", ""])
     per_preset = lambda part: part.items()
-    table("Batch-1 decode", "decode", ["preset", "ms/token", "GB/s (weights + KV read)", "of copy (target 0.8)"],
-          per_preset)
-    table("CUDA graphs, batch-1 decode", "graphs", ["preset", "off ms/token", "on ms/token", "speedup"], per_preset)
-    table("transformers eager (float16, random weights of the same config), batch 1", "hf",
-          ["preset", "ms/token", "hpcinfer speedup (target 3)"], per_preset)
+    table("Decode (preset x B: B sequences a step)", "decode",
+          ["preset", "ms/step", "GB/s (weights + KV read)", "of copy (target 0.8)"], per_preset)
+    table("CUDA graphs, decode", "graphs", ["preset", "off ms/step", "on ms/step", "speedup"], per_preset)
+    table("transformers eager (float16, random weights of the same config)", "hf",
+          ["preset", "ms/step", "hpcinfer speedup (target 3)"], per_preset)
     table("Prompt phase", "prefill", ["preset, tokens", "ms", "TFLOP/s", "cuBLAS fp16 TFLOP/s", "of fp16",
                                       "cuBLAS fp32 TFLOP/s", "of fp32"],
           _prefill_rows)
@@ -546,6 +565,8 @@ def parse_args(argv):
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     p.add_argument("--quick", action="store_true", help="small shapes (tiny-dense, 8 MiB copy, ...): a smoke run")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
+    p.add_argument("--decode-batch", default=None, help="comma-separated sequences per decode step for the decode, "
+                                                         "graphs and hf sections (default 1)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, where .git is)")
     p.add_argument("--preset", action="append", help=argparse.SUPPRESS)          # tests: other presets
     p.add_argument("--no-kernels", action="store_true", help=argparse.SUPPRESS)   # plain-CuPy ops (faster fake)
@@ -560,7 +581,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench.gpu: unknown sections {sorted(only - set(SECTIONS))}; choose from {SECTIONS}")
     s = QUICK if args.quick else Settings()
     s = dataclasses.replace(s, presets=tuple(args.preset) if args.preset else s.presets,
-                            repeats=args.repeats or s.repeats, kernels=not args.no_kernels)
+                            repeats=args.repeats or s.repeats, kernels=not args.no_kernels,
+                            decode_batches=_batches(args.decode_batch) if args.decode_batch else s.decode_batches)
     from hpcinfer.backend.cupy_ops import gpu_available
 
     if not gpu_available():
@@ -592,6 +614,16 @@ def main(argv=None) -> int:
             result["warnings"].append(f"{where} failed: {r}")
     write_results(args.out, args.name, result, report(result), log)
     return 0
+
+
+def _batches(text: str) -> tuple:
+    try:
+        batches = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"bench.gpu: --decode-batch {text!r}: give sequence counts >= 1, such as 1,16")
+    return batches
 
 
 def _errors(part, where: str):

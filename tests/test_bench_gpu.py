@@ -48,6 +48,21 @@ def test_quick_run_records_every_section(emu_cupy, tmp_path):
         assert cell["speedup"] > 0 and cell["max_abs_diff"] < 1e-5
 
 
+def test_decode_at_several_batch_sizes(emu_cupy, tmp_path):
+    """--decode-batch 1,3: a decode and a graphs cell per batch size ("tiny-dense x3" past batch 1), with the KV
+    bytes of every sequence counted; a bad list is refused."""
+    assert gpu.main(["--quick", "--repeats", "1", "--no-kernels", "--only", "decode,graphs", "--decode-batch", "1,3",
+                     "--out", str(tmp_path)]) == 0
+    s = results(tmp_path)["sections"]
+    one, three = s["decode"]["tiny-dense"], s["decode"]["tiny-dense x3"]
+    assert (one["batch"], three["batch"]) == (1, 3) and set(s["graphs"]) == {"tiny-dense", "tiny-dense x3"}
+    assert three["bytes_per_token"]["kv"] == pytest.approx(3 * one["bytes_per_token"]["kv"])
+    assert three["bytes_per_token"]["weights"] == one["bytes_per_token"]["weights"]
+    assert three["tokens_per_s"] == pytest.approx(3e3 / three["ms_per_token"])
+    with pytest.raises(SystemExit, match="--decode-batch '1,0'"):
+        gpu.main(["--quick", "--decode-batch", "1,0", "--out", str(tmp_path)])
+
+
 def test_only_with_the_kernels(emu_cupy, tmp_path):
     """The kernels' path (as on a GPU) for decode, CUDA graphs and MoE; the sections not chosen say so."""
     assert gpu.main(["--quick", "--repeats", "1", "--only", "decode,graphs,moe", "--out", str(tmp_path)]) == 0
