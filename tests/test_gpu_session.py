@@ -1,4 +1,4 @@
-"""The GPU session's tools, on this machine (docs/gpu.md, "What a GPU session must run first"): bench/gpu_carry.py
+"""The GPU session's tools, on this machine (docs/gpu.md, "Later calls"): bench/gpu_carry.py
 splits the GGUF into parts that join back to the same bytes (sha256 recorded) and writes MiniLM in float16;
 bench/gpu_session.sh runs steps in order, records each one's exit code, moves carried parts aside, and refuses a
 GGUF whose parts do not join to the recorded sha256 (a part lost when the machine went back between calls).
@@ -78,3 +78,28 @@ def test_a_lost_part_is_refused_before_any_conversion(tmp_path):
     assert summary[-1][:2] == ["models", "1"]
     assert "does not match gguf.sha256" in log and "converted" not in log
     assert not (tmp_path / "stash" / gguf.name).exists()
+
+
+def test_truncated_checkpoint_keeps_the_first_layers_and_verifies(tmp_path):
+    """make gpu-carry's SmolLM2 for the gpu-check call: a checkpoint cut to its first layers opens, verifies (the
+    integrity manifest made anew) and runs as a shallower model of the same architecture."""
+    import numpy as np
+
+    from hpcinfer.api import generate, load_model
+    from hpcinfer.checkpoint.format import open_checkpoint
+    from hpcinfer.checkpoint.presets import PRESETS
+    from hpcinfer.checkpoint.writer import CheckpointWriter
+    from hpcinfer.model.arch import tensor_shapes
+
+    arch, rng = PRESETS["tiny-dense"], np.random.default_rng(0)
+    whole = tmp_path / "whole.h5"
+    with CheckpointWriter(str(whole), arch) as writer:
+        for name, shape in tensor_shapes(arch).items():
+            writer.add(name, rng.standard_normal(shape, dtype=np.float32) * 0.1)
+    cut = tmp_path / "cut.h5"
+    gpu_carry.truncated_checkpoint(whole, cut, 2)
+    with open_checkpoint(str(cut)) as ckpt:
+        assert ckpt.arch.num_layers == 2
+        assert ckpt.verify()["datasets"] == len(tensor_shapes(ckpt.arch))
+        assert not any(name.startswith(("layers.2.", "layers.3.")) for name in ckpt.file)
+    assert len(generate(load_model(str(cut)), [[5, 17, 200]], 4)[0]) == 4
