@@ -20,7 +20,7 @@ from .generate.output import write_metrics
 from .generate.prompts import load_prompts
 from .generate.resume import SIDECAR_SUFFIX
 from .generate.sampling import SamplingParams
-from .generate.schedule import micro_batches
+from .parallel.micro_batches import micro_batches
 from .generate.tokenizer import TextTokenizer
 from .metrics import held_weight_bytes, peak_rss_bytes, summarize
 from .offload.budget import ACT_ITEMSIZE, check_budgets, kv_format_of, predicted_vs_measured

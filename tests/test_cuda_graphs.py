@@ -136,7 +136,7 @@ def run(model, prompts, cuda_graphs: bool, gen_micro_batches: int = 1, new_token
 def expected_keys(gen_micro_batches: int, lengths=PROMPT_LENGTHS, new_tokens: int = NEW_TOKENS) -> set:
     """(sequences, bucket) of every decode step: after the prompt step, step j of micro-batch g starts each of its
     sequences at len(prompt) + j - 1."""
-    from hpcinfer.generate.schedule import micro_batches
+    from hpcinfer.parallel.micro_batches import micro_batches
 
     keys = set()
     for group in micro_batches(len(lengths), gen_micro_batches):
@@ -303,7 +303,7 @@ def test_batches_of_one_size_capture_each_key_once_per_run(fake_cupy, name, gen_
     with the kernels (the plain path is never captured): NumPy's tokens, and one capture per (sequences, bucket) key of the whole run, not one
     per key and batch; every decode step replayed."""
     from hpcinfer.backend.cupy_ops import CupyOps
-    from hpcinfer.generate.schedule import micro_batches
+    from hpcinfer.parallel.micro_batches import micro_batches
 
     source, lengths, new_tokens = tiny_models()[name], (50, 61, 40, 58, 55, 62), 8
     prompts = prompts_for(source.arch.vocab_size, lengths)

@@ -22,9 +22,11 @@ from hpcinfer.api import load_model  # noqa: E402
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
 from hpcinfer.errors import ConfigError  # noqa: E402
 from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch  # noqa: E402
-from hpcinfer.generate.kv_cache import KVCache, KVOffload, kv_bytes_per_token, plan_offload  # noqa: E402
+from hpcinfer.generate.kv_cache import KVCache, KVOffload, plan_offload  # noqa: E402
+from hpcinfer.quant.kv import kv_bytes_per_token  # noqa: E402
 from hpcinfer.generate.sampling import SamplingParams  # noqa: E402
-from hpcinfer.generate.schedule import micro_batches, simulate  # noqa: E402
+from hpcinfer.generate.schedule import simulate  # noqa: E402
+from hpcinfer.parallel.micro_batches import micro_batches
 
 PROMPT_LENGTHS = (5, 5, 12, 1, 9, 3, 16, 7)     # prompt 1 is a copy of prompt 0: micro-batch {0, 1} stops whole
 MAX_NEW = 8

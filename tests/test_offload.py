@@ -34,7 +34,7 @@ from hpcinfer.comm.group import Groups
 from hpcinfer.config import OffloadSection, load_config
 from hpcinfer.errors import ConfigError
 from hpcinfer.generate.engine import GenerationParams, StepTimes, generate_batch
-from hpcinfer.generate.schedule import micro_batches
+from hpcinfer.parallel.micro_batches import micro_batches
 from hpcinfer.job import _offloaded_batch
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.offload import zigzag

@@ -23,7 +23,7 @@ import pytest
 import test_offload as base
 import test_offload_kv_quant as kvq
 from hpcinfer.errors import ConfigError
-from hpcinfer.generate.schedule import micro_batches
+from hpcinfer.parallel.micro_batches import micro_batches
 from hpcinfer.offload import activations
 from hpcinfer.offload.budget import act_plan_bytes, device_rows, plan_bytes
 from hpcinfer.parallel.stages import partition_layers

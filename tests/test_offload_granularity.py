@@ -21,7 +21,7 @@ import test_offload as base
 import test_offload_kv_quant as kvq
 from hpcinfer.config import OffloadSection
 from hpcinfer.errors import ConfigError
-from hpcinfer.generate.schedule import micro_batches
+from hpcinfer.parallel.micro_batches import micro_batches
 from hpcinfer.offload.budget import device_rows, kv_plan_bytes
 from hpcinfer.offload.lp import search_policy, solve_placement
 from test_offload import MAX_NEW, PROMPT_LENGTHS, config_for, host_kvs, make_prompts, offload, preset

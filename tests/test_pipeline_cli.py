@@ -22,7 +22,7 @@ from cli_helpers import (CliJob, assert_fails_once_and_clearly, checkpoint_with_
                          output_records, write_token_prompts)
 from hf_models import save_tiny_model
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
-from hpcinfer.generate.kv_cache import kv_bytes_per_token  # noqa: E402
+from hpcinfer.quant.kv import kv_bytes_per_token  # noqa: E402
 
 VOCAB, LAYERS, KV_HEADS, HEAD_DIM = 256, 4, 4, 16
 PROMPT_LENGTHS = (3, 9, 1, 14, 6, 11, 4, 7)

@@ -12,7 +12,8 @@ from collections import defaultdict
 
 import pytest
 
-from hpcinfer.generate.schedule import Event, bubble_fraction, gen_ready_order, micro_batches, simulate
+from hpcinfer.generate.schedule import Event, bubble_fraction, gen_ready_order, simulate
+from hpcinfer.parallel.micro_batches import micro_batches
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -21,18 +21,13 @@ import numpy as np
 
 from ..backend.ops import StepLayout
 from ..errors import ConfigError
-from ..quant.kv import KVFormat, QuantizedKV
+from ..quant.kv import KVFormat, QuantizedKV, kv_bytes_per_token
 
 
 @dataclass(frozen=True)
 class KVOffload:
     threshold_bytes: int         # device KV bytes this rank may hold
     parity: int                  # layers with index % 2 == parity are offloadable here (node-local rank % 2)
-
-
-def kv_bytes_per_token(kv_heads: int, head_dim: int, layers: int, kv_format: KVFormat | None = None) -> int:
-    row = head_dim * np.dtype(np.float32).itemsize if kv_format is None else kv_format.row_bytes(head_dim)
-    return 2 * kv_heads * row * layers
 
 
 def plan_offload(num_layers: int, first_layer: int, n_seqs: int, kv_heads: int, max_len: int, head_dim: int,

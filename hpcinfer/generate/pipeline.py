@@ -20,7 +20,8 @@ from .engine import GenerationParams, ScheduleParams, Sequence, StepTimes, recor
 from .graphs import batch_cache, stage_step
 from .kv_cache import KVCache
 from .sampling import sample, sequence_rng
-from .schedule import gen_ready_order, micro_batches
+from ..parallel.micro_batches import micro_batches
+from .schedule import gen_ready_order
 
 
 def run_batch(model, prompts, indices, params: GenerationParams, times: StepTimes, schedule: ScheduleParams,

@@ -16,19 +16,6 @@ from collections import deque
 from dataclasses import dataclass
 
 
-def micro_batches(n_seqs: int, count: int, exact: bool = False) -> list[range]:
-    """Split sequences 0..n-1 into min(count, n) contiguous groups whose sizes differ by at most one (exactly
-    `count` groups, some possibly empty, when `exact`: replicas stepping together need the same groups)."""
-    count = max(1, count if exact else min(count, n_seqs))
-    base, extra = divmod(n_seqs, count)
-    groups, start = [], 0
-    for g in range(count):
-        size = base + (1 if g < extra else 0)
-        groups.append(range(start, start + size))
-        start += size
-    return groups
-
-
 @dataclass(frozen=True)
 class Event:
     time: int                    # the time unit in which the stage computes this work item

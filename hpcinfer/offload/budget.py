@@ -6,7 +6,7 @@ import math
 
 from ..config import parse_bytes
 from ..errors import ConfigError
-from ..generate.schedule import micro_batches
+from ..parallel.micro_batches import micro_batches
 from ..quant.formats import QuantError
 from ..quant.kv import kv_format
 from .sizes import kv_token_bytes, layer_bytes, table_bytes

@@ -11,7 +11,7 @@ outside the layers: neither the runtime nor the planner streams them.
 
 quant_of: tensor name -> (mode, group_size) when that tensor is held quantized, else None (quant.storage).
 
-The KV cache has its rule here too (`kv_token_bytes`): the runtime's (generate/kv_cache.kv_bytes_per_token),
+The KV cache has its rule here too (`kv_token_bytes`): the runtime's (quant/kv.kv_bytes_per_token),
 float32 rows, or with `[model] kv_cache = "int8" | "int4"` the format's packed values + a float16 scale and minimum
 per group (quant.kv.KVFormat.row_bytes). The budget check counts with it, and the cost model's KV term moves it.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from ..generate.kv_cache import kv_bytes_per_token
+from ..quant.kv import kv_bytes_per_token
 from ..model.arch import tensor_shapes
 from ..quant.storage import is_row_parallel, quantized_nbytes
 

@@ -38,7 +38,7 @@ from ..comm.mappings import broadcast_from_tp_root
 from ..generate.engine import Sequence, record_token
 from ..generate.kv_cache import KVCache
 from ..generate.sampling import sample, sequence_rng
-from ..generate.schedule import micro_batches
+from ..parallel.micro_batches import micro_batches
 from ..quant.kv import QuantizedKV
 from .activations import EMBEDDING, HostActivations
 from .budget import device_rows

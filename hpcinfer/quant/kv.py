@@ -158,3 +158,8 @@ class QuantizedKV:
     def read(self, index, out=None, scratch=None):
         """Dequantize the rows at index -> float32 [..., hd] (into `out` when given)."""
         return dequantize_rows(self.q[index], self.scale[index], self.min[index], self.fmt, out, scratch)
+
+
+def kv_bytes_per_token(kv_heads: int, head_dim: int, layers: int, kv_format: KVFormat | None = None) -> int:
+    row = head_dim * np.dtype(np.float32).itemsize if kv_format is None else kv_format.row_bytes(head_dim)
+    return 2 * kv_heads * row * layers
