@@ -6,10 +6,11 @@ a float32) and is widened by a 16-bit shift; `asarray` takes ml_dtypes bfloat16 
 back. On the device, uint16 always means bfloat16 bits.
 
 This module imports without cupy: cupy is imported when a CupyOps is built. Each op launches its cuda_src/ kernel
-(through hpcinfer/kernels/loader.py) when the kernel file exists and `kernels=True`, after checking layout, dtype and
-the kernel's preconditions; otherwise (and with `kernels=False`) it runs as plain CuPy array code, which stays as
-the fallback and as a second reference: tests/test_cupy_ops.py holds both paths to NumpyOps. "TODO kernel" marks
-the ops with no kernel wired yet.
+(through hpcinfer/kernels/loader.py) when `kernels=True`, after checking layout, dtype and the kernel's
+preconditions (a kernel file that is missing or does not compile is an error naming it, never a silent fallback);
+otherwise (and with `kernels=False`) it runs as plain CuPy array code, which stays as the fallback and as a second
+reference: tests/test_cupy_ops.py holds both paths to NumpyOps. "TODO kernel" marks the ops with no kernel wired
+yet.
 
 This module holds CupyOps itself (memory, dense math, norms, activations, MoE gating, the kernel-launch helpers
 `_kernel`, `_rows`, `_grid`) and its elementwise kernels. Longer op bodies live beside it as functions of the ops,
@@ -67,13 +68,6 @@ def _c_type(dtype) -> str | None:
     return {"float32": "float", "float16": "__half", "uint16": "__nv_bfloat16"}.get(np.dtype(dtype).name)
 
 
-@cache
-def _kernel_file_exists(name: str) -> bool:
-    from ..kernels.loader import CUDA_SRC
-
-    return (CUDA_SRC / f"{name}.cu").is_file()
-
-
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
 _ACT_CODES = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}     # common.cuh ACT_*
 
@@ -100,7 +94,7 @@ class CupyOps:
             self.device_id = int(device) % cupy.cuda.runtime.getDeviceCount()
             cupy.cuda.Device(self.device_id).use()
         self.k = _elementwise_kernels(cupy)
-        self.kernels = kernels               # launch cuda_src/ kernels where they exist (False: plain CuPy only)
+        self.kernels = kernels               # launch the cuda_src/ kernels (False: plain CuPy only)
         self._sm_count = None
         self.library_calls = 0               # cuBLAS calls made (matmul): a CUDA graph cannot capture them
 
@@ -424,9 +418,12 @@ class CupyOps:
 
     # ---- kernel launch helpers ----------------------------------------------------------------------------
     def _kernel(self, name: str, function: str, **defines):
-        """The RawKernel of cuda_src/{name}.cu, or None when kernels are off or that file does not exist (a compile
-        error is raised, not hidden)."""
-        if not self.kernels or not _kernel_file_exists(name):
+        """The RawKernel `function` of cuda_src/{name}.cu with `defines`, or None when kernels are off
+        (`kernels=False`: the caller runs plain CuPy). With kernels on, a kernel file that is missing or does not
+        compile raises (kernels/loader.py: KernelSourceError, KernelCompileError, each naming the file), never a
+        silent fallback. Plain CuPy with kernels on is the wrappers' own choice, for shapes, dtypes or alignments
+        the kernel does not take."""
+        if not self.kernels:
             return None
         from ..kernels.loader import kernel
 

@@ -8,6 +8,12 @@
 The source handed to NVRTC is the .cu file with its local `#include "x.cuh"` lines replaced by the headers' text,
 so that CuPy's on-disk kernel cache, keyed on the source text and options, sees an edit to a header too. cupy is
 imported lazily: this module imports without it.
+
+Where the sources are (CUDA_SRC): setup.cfg ships the repository's top-level cuda_src/ as package data of
+`hpcinfer.cuda_src` (package_dir), so an installed wheel holds them in hpcinfer/cuda_src/, inside this package; a
+source checkout (`pip install -e .`, or PYTHONPATH set to it) keeps them where they are, in the checkout's cuda_src/
+beside hpcinfer/. A kernel file that is missing is a KernelSourceError and one that does not compile a
+KernelCompileError, both naming the file: the CuPy backend never falls back to plain CuPy for a missing kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
+from ..errors import HpcinferError
+
 STD = "-std=c++17"
 
 # Every kernel file and the extern "C" functions it defines: the interface the wrappers launch (and the compile
@@ -51,15 +58,43 @@ _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILI
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class KernelCompileError(RuntimeError):
-    """A kernel source failed to compile; the message holds the compiler log."""
+class KernelSourceError(HpcinferError):
+    """A kernel source (.cu) or a header it includes is missing; the message names the file."""
+
+
+class KernelCompileError(HpcinferError, RuntimeError):
+    """A kernel source failed to compile; the message names the file and holds the compiler log."""
+
+
+# ---- where the sources are -------------------------------------------------------------------------------------
+_PACKAGE = Path(__file__).resolve().parent.parent          # hpcinfer/
+
+
+def _cuda_src_dir() -> Path:
+    """The kernel folder: hpcinfer/cuda_src/ of an installed package (the package data setup.cfg ships), else the
+    cuda_src/ beside the package in the source checkout it runs from (the folder setup.cfg maps to
+    hpcinfer.cuda_src; setup.cfg beside it says that this is the checkout). Neither there: the installed place,
+    which source_path then names in its error."""
+    installed = _PACKAGE / "cuda_src"
+    checkout = _PACKAGE.parent / "cuda_src"
+    if not installed.is_dir() and checkout.is_dir() and (_PACKAGE.parent / "setup.cfg").is_file():
+        return checkout
+    return installed
+
+
+CUDA_SRC = _cuda_src_dir()   # tests may point it elsewhere (then clear_cache()): every lookup reads it at call time
 
 
 # ---- source and options ----------------------------------------------------------------------------------------
 def source_path(name: str) -> Path:
+    """CUDA_SRC/{name}.cu; KernelSourceError naming the path when it is not there."""
     path = CUDA_SRC / f"{name}.cu"
     if not path.is_file():
-        raise FileNotFoundError(f"no kernel source {path} (kernel files: {', '.join(sorted(KERNELS))})")
+        raise KernelSourceError(
+            f"kernel source {path} not found (kernel files: {', '.join(sorted(KERNELS))}): the CuPy backend needs "
+            f"every file of cuda_src/, which an installed hpcinfer holds in hpcinfer/cuda_src/ and a source checkout "
+            f"in its cuda_src/; reinstall hpcinfer (pip install . or a wheel from `pip wheel .`), or build the ops "
+            f"with CupyOps(kernels=False) to run plain CuPy code without the kernels")
     return path
 
 
@@ -72,7 +107,8 @@ def _inline(path: Path, seen: set) -> str:
     def include(match: re.Match) -> str:
         header = (path.parent / match.group(1)).resolve()
         if not header.is_file():
-            raise FileNotFoundError(f"{path.name}: #include \"{match.group(1)}\" not found in {path.parent}")
+            raise KernelSourceError(f"{path}: #include \"{match.group(1)}\" not found ({header} is missing): "
+                                    f"reinstall hpcinfer, or use CupyOps(kernels=False)")
         if header in seen:
             return f"// (already included: {match.group(1)})"
         seen.add(header)
@@ -197,7 +233,7 @@ def nvrtc_compile(name: str, defines: dict | None, arch: str) -> tuple[bytes, st
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog)
-            raise KernelCompileError(f"NVRTC {'.'.join(map(str, nvrtc_version()))} failed on {name}.cu "
+            raise KernelCompileError(f"NVRTC {'.'.join(map(str, nvrtc_version()))} failed on {source_path(name)} "
                                      f"({' '.join(options)}): {exc}\n{log}") from None
         log = nvrtc.getProgramLog(prog)
         binary = nvrtc.getCUBIN(prog) if arch_option.startswith("-arch=sm_") else nvrtc.getPTX(prog)
@@ -261,7 +297,8 @@ def load_module(name: str, defines: dict | None = None, device: int | None = Non
                     try:
                         module.compile()
                     except cupy.cuda.compiler.CompileException as exc:
-                        raise KernelCompileError(f"{name}.cu with {define_options(defines)}: {exc}") from exc
+                        raise KernelCompileError(f"{source_path(name)} does not compile (NVRTC) with "
+                                                 f"{define_options(defines)}: {exc}") from exc
                 _modules[key] = module
     return module
 
