@@ -73,7 +73,7 @@ QUICK = Settings(presets=("tiny-dense",), copy_bytes=8 << 20, prompt_len=12, new
 def matrix_params(arch) -> tuple[int, int]:
     """(parameters of the per-token projection matrices of the layers, parameters of the LM head): the 2-D
     weights a token multiplies, without the embedding lookup and the position table."""
-    from hpcinfer.model.arch import tensor_shapes
+    from hpcinfer.arch import tensor_shapes
 
     head = arch.vocab_size * arch.hidden_size
     layers = sum(math.prod(shape) for name, shape in tensor_shapes(arch).items()
@@ -85,7 +85,7 @@ def decode_bytes(arch, weight_itemsize: int, context: float, kv_itemsize: int = 
     """Bytes one decode step of `batch` sequences must read: every weight once (the matrices, the LM head, the 1-D
     norm and bias vectors, one embedding row and one position row) and the K and V of `context` cached positions
     per layer and sequence."""
-    from hpcinfer.model.arch import tensor_shapes
+    from hpcinfer.arch import tensor_shapes
 
     shapes = tensor_shapes(arch)
     vectors = sum(math.prod(s) for s in shapes.values() if len(s) == 1)

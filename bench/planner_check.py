@@ -48,9 +48,9 @@ def _arch(moe: bool = False):
 
 
 def write_checkpoint(path: Path, moe: bool = False) -> None:
+    from hpcinfer.arch import tensor_shapes
     from hpcinfer.checkpoint.presets import PresetSource
     from hpcinfer.checkpoint.writer import CheckpointWriter
-    from hpcinfer.model.arch import tensor_shapes
 
     if path.exists():
         return

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from .model.arch import tensor_shapes
+from .arch import tensor_shapes
 
 
 def peak_rss_bytes() -> int:

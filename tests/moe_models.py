@@ -24,8 +24,8 @@ import os
 
 import numpy as np
 
+from hpcinfer.arch import ModelArch, tensor_shapes
 from hpcinfer.checkpoint.writer import CheckpointWriter
-from hpcinfer.model.arch import ModelArch, tensor_shapes
 
 VOCAB, HIDDEN, LAYERS, HEADS, MLP_WIDTH, EXPERT_WIDTH, POSITIONS = 256, 64, 4, 4, 128, 96, 64
 DS_EXPERTS = (0, 8, 0, 8)          # MoE every other layer

@@ -5,11 +5,11 @@ the input reader's rules (text or tokens, empty texts, truncation) and length bu
 import numpy as np
 import pytest
 
+from hpcinfer.arch import ModelArch
 from hpcinfer.embed.inputs import EmbedInput, load_inputs
 from hpcinfer.embed.job import bucket_batches
 from hpcinfer.embed.output import EmbeddingWriter, read_embeddings
 from hpcinfer.errors import ConfigError, InputError
-from hpcinfer.model.arch import ModelArch
 
 ARCH = ModelArch(family="bert", vocab_size=50, hidden_size=4, num_layers=1, num_heads=1, num_kv_heads=1,
                  head_dim=4, intermediate_size=8, max_positions=16, causal=False, norm_position="post")

@@ -1,12 +1,12 @@
 """Ops.bidirectional_attention against a plain per-sequence, per-head softmax(q k^T) v, for packed batches of
 equal and ragged lengths; the CuPy twin against it when a GPU is visible. Post-norm blocks and encoder tensor
-shapes (model/arch.py); a tiny BERT on the emulated CupyOps against NumPy."""
+shapes (hpcinfer/arch.py); a tiny BERT on the emulated CupyOps against NumPy."""
 
 import numpy as np
 import pytest
 
+from hpcinfer.arch import ModelArch, tensor_shapes
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.model.arch import ModelArch, tensor_shapes
 from hpcinfer.model.encoder import encoder_layout
 
 

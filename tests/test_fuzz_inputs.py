@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from hpcinfer.arch import ModelArch
 from hpcinfer.config import SECTIONS, Config, load_config
 from hpcinfer.errors import ConfigError, InputError
 from hpcinfer.generate.prompts import load_prompts
 from hpcinfer.generate.tokenizer import TextTokenizer
-from hpcinfer.model.arch import ModelArch
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -16,10 +16,10 @@ from pydoc_data.topics import topics  # real English prose in the standard libra
 
 gguf = pytest.importorskip("gguf")
 
+from hpcinfer.arch import tensor_shapes  # noqa: E402
 from hpcinfer.checkpoint.format import open_checkpoint  # noqa: E402
 from hpcinfer.checkpoint.gguf import convert_gguf  # noqa: E402
 from hpcinfer.errors import CheckpointError  # noqa: E402
-from hpcinfer.model.arch import tensor_shapes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / os.environ.get("HPCINFER_SMOLLM2_GGUF", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -373,7 +373,7 @@ def kept_tiny(tmp_path_factory):
 
 
 def test_keep_quantized_stores_q4_1_and_q8_0_blocks_that_dequantize_to_the_plain_conversion(kept_tiny):
-    from hpcinfer.model.arch import tensor_shapes as shapes_of
+    from hpcinfer.arch import tensor_shapes as shapes_of
     from hpcinfer.quant import storage
 
     with open_checkpoint(str(kept_tiny / "plain.h5")) as plain, open_checkpoint(str(kept_tiny / "kept.h5")) as kept:

@@ -86,10 +86,10 @@ def test_truncated_checkpoint_keeps_the_first_layers_and_verifies(tmp_path):
     import numpy as np
 
     from hpcinfer.api import generate, load_model
+    from hpcinfer.arch import tensor_shapes
     from hpcinfer.checkpoint.format import open_checkpoint
     from hpcinfer.checkpoint.presets import PRESETS
     from hpcinfer.checkpoint.writer import CheckpointWriter
-    from hpcinfer.model.arch import tensor_shapes
 
     arch, rng = PRESETS["tiny-dense"], np.random.default_rng(0)
     whole = tmp_path / "whole.h5"

@@ -21,10 +21,10 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from hf_models import VARIANTS, load_hf_model, save_tiny_model  # noqa: E402
+from hpcinfer.arch import tensor_shapes  # noqa: E402
 from hpcinfer.checkpoint.format import bfloat16_dtype, open_checkpoint  # noqa: E402
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
 from hpcinfer.errors import CheckpointError  # noqa: E402
-from hpcinfer.model.arch import tensor_shapes  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from hpcinfer.arch import ModelArch, tensor_shapes
 from hpcinfer.backend.ops import make_ops
 from hpcinfer.checkpoint.format import open_checkpoint
 from hpcinfer.checkpoint.writer import CheckpointWriter
 from hpcinfer.comm.group import Groups
-from hpcinfer.model.arch import ModelArch, tensor_shapes
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.parallel.layers import weight_dtype
 

@@ -8,10 +8,10 @@ import pytest
 
 from hf_models import save_tiny_model
 from hpcinfer.api import generate, load_model
+from hpcinfer.arch import tensor_shapes
 from hpcinfer.checkpoint.format import open_checkpoint
 from hpcinfer.checkpoint.hf import convert_hf
 from hpcinfer.metrics import held_bytes, matmul_params, weight_bytes_per_rank
-from hpcinfer.model.arch import tensor_shapes
 from hpcinfer.quant import storage
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]

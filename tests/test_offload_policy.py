@@ -17,8 +17,8 @@ import tomllib
 
 import pytest
 
+from hpcinfer.arch import ModelArch
 from hpcinfer.errors import ConfigError
-from hpcinfer.model.arch import ModelArch
 from hpcinfer.offload.cost_model import CostModel, ModelSizes
 from hpcinfer.offload.lp import PlacementError, search_policy, solve_placement
 from hpcinfer.offload.policy import Policy

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from hpcinfer.model.arch import ModelArch
+from hpcinfer.arch import ModelArch
 from hpcinfer.offload.profile import PRESETS as HARDWARE
 from hpcinfer.perf.comm_cost import Link, Links, all_to_all
 from hpcinfer.perf.layout import Layout

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
+from hpcinfer.arch import ModelArch
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.errors import ConfigError
 from hpcinfer.generate.schedule import simulate
-from hpcinfer.parallel.micro_batches import micro_batches
-from hpcinfer.model.arch import ModelArch
 from hpcinfer.offload.profile import PRESETS as HARDWARE, HardwareProfile, load_profile
+from hpcinfer.parallel.micro_batches import micro_batches
 from hpcinfer.perf.comm_cost import Link, Links, all_gather, all_reduce, all_to_all, all_to_all_latency_terms
 from hpcinfer.perf.layout import Layout
 from hpcinfer.perf.memory import weight_bytes

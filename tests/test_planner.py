@@ -9,16 +9,16 @@ import types
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from hpcinfer.arch import ModelArch
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.cli import main
 from hpcinfer.comm.all_to_all import message_stats
 from hpcinfer.comm.mesh import MeshShape
 from hpcinfer.config import _build
-from hpcinfer.model.arch import ModelArch
 from hpcinfer.offload.budget import plan_bytes
 from hpcinfer.offload.profile import PRESETS as HARDWARE
-from hpcinfer.parallel.stages import partition_layers
 from hpcinfer.parallel.layout import check_experts, check_tensor_parallel
+from hpcinfer.parallel.stages import partition_layers
 from hpcinfer.perf.memory import rank_memory
 from hpcinfer.perf.planner import plan
 from hpcinfer.perf.step import Workload

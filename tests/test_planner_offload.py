@@ -15,11 +15,11 @@ import tomllib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from hpcinfer.arch import ModelArch
 from hpcinfer.checkpoint.presets import PRESETS as MODELS
 from hpcinfer.cli import main
 from hpcinfer.config import load_config
 from hpcinfer.job import _fetch_share
-from hpcinfer.model.arch import ModelArch
 from hpcinfer.offload.budget import check_budgets
 from hpcinfer.offload.profile import PRESETS as HARDWARE
 from hpcinfer.offload.tiers import place_layers

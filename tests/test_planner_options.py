@@ -7,16 +7,16 @@ import math
 
 import pytest
 
+from hpcinfer.arch import tensor_shapes
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.cli import _parser, main
-from hpcinfer.model.arch import tensor_shapes
 from hpcinfer.offload.profile import PRESETS as HARDWARE
-from hpcinfer.quant.kv import kv_format
-from hpcinfer.quant.storage import is_quantizable, quantized_nbytes
 from hpcinfer.perf.layout import Layout
 from hpcinfer.perf.memory import kv_bytes, rank_memory, weight_bytes
 from hpcinfer.perf.report import OFFLOAD_ONLY
 from hpcinfer.perf.step import Workload, predict
+from hpcinfer.quant.kv import kv_format
+from hpcinfer.quant.storage import is_quantizable, quantized_nbytes
 
 
 def _int8(name: str):

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from hpcinfer.api import generate, prompt_logits
+from hpcinfer.arch import ModelArch, tensor_shapes
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.checkpoint.presets import PRESETS, SOURCES, PresetSource, open_preset, preset_table
 from hpcinfer.comm.group import Groups, MoELayout
 from hpcinfer.errors import ConfigError
-from hpcinfer.model.arch import ModelArch, tensor_shapes
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.parallel.experts import ExpertStack
 from hpcinfer.parallel.layers import even_shard, vocab_shard

@@ -11,10 +11,10 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from hpcinfer.arch import ModelArch
 from hpcinfer.errors import HpcinferError, InputError
 from hpcinfer.generate.prompts import load_prompts
 from hpcinfer.generate.tokenizer import TextTokenizer
-from hpcinfer.model.arch import ModelArch
 
 VOCAB, POSITIONS = 100, 16
 WORDS = {"[UNK]": 0, "hello": 1, "world": 2, "the": 3, "cat": 4}        # then <|user|> = 5, <|assistant|> = 6

@@ -15,13 +15,13 @@ import pytest
 
 from hf_models import save_tiny_model
 from hpcinfer.api import generate, load_model, prompt_logits
+from hpcinfer.arch import tensor_shapes
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.checkpoint.format import open_checkpoint
 from hpcinfer.checkpoint.hf import convert_hf
 from hpcinfer.comm.group import Groups
 from hpcinfer.errors import CheckpointError, ConfigError
 from hpcinfer.metrics import held_bytes
-from hpcinfer.model.arch import tensor_shapes
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.quant import storage
 from hpcinfer.quant.formats import QuantError, dequantize, quantize, slice_cols, slice_rows

@@ -8,8 +8,8 @@ from itertools import combinations
 
 import pytest
 
+from hpcinfer.arch import ModelArch, tensor_shapes
 from hpcinfer.errors import ConfigError
-from hpcinfer.model.arch import ModelArch, tensor_shapes
 from hpcinfer.parallel.stages import StageSpec, layer_params, partition_layers, stage_params
 
 # SmolLM2-135M: V=49152 D=576 L=30 H=9 Hkv=3 hd=64 F=1536, rmsnorm, rotary, silu gated MLP, tied embeddings

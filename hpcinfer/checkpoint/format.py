@@ -1,7 +1,7 @@
 """The hpcinfer HDF5 checkpoint: open, validate, hand out datasets and row slices.
 
 Layout (docs/checkpoint-format.md): root attributes `format = "hpcinfer"`, `format_version`, `dtype` and the
-ModelArch fields; one dataset per tensor at the root under its canonical name (model.arch.tensor_shapes);
+ModelArch fields; one dataset per tensor at the root under its canonical name (arch.tensor_shapes);
 the tokenizer, when known, under the group `tokenizer/`. The reader stays dumb: sharded layers decide what to read.
 """
 
@@ -13,8 +13,8 @@ import os
 import h5py
 import numpy as np
 
+from ..arch import ModelArch, tensor_shapes
 from ..errors import CheckpointError
-from ..model.arch import ModelArch, tensor_shapes
 from ..quant.formats import dequantize
 from ..quant.storage import QUANTIZATIONS, is_stored_quantized, read_quantized, stored_shape
 from . import integrity

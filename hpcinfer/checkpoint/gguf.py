@@ -21,14 +21,14 @@ import os
 
 import numpy as np
 
+from ..arch import ModelArch, tensor_shapes
 from ..errors import CheckpointError
-from ..model.arch import ModelArch, tensor_shapes
 from .gguf_tokenizer import read_tokenizer
 from .writer import CheckpointWriter
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
-# GGUF tensor names (llama.cpp's) -> canonical names (model.arch.tensor_shapes).
+# GGUF tensor names (llama.cpp's) -> canonical names (arch.tensor_shapes).
 _GLOBAL_TENSORS = {
     "token_embd.weight": "embed.tokens",
     "output_norm.weight": "final_norm.weight",

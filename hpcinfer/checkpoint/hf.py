@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 
+from ..arch import ModelArch
 from ..errors import CheckpointError
-from ..model.arch import ModelArch
 from .format import DTYPES
 from .hf_families import FAMILIES, Config
 from .hf_tokenizer import tokenizer_files

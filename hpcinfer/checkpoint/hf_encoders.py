@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
+from ..arch import ModelArch
 from ..errors import CheckpointError
-from ..model.arch import ModelArch
 from .hf_weights import WeightSource
 
 # T=tensor D=hidden H=heads F=MLP width V=vocab P=positions

@@ -1,7 +1,7 @@
 """The Hugging Face model families: for each config.json `model_type`, the ModelArch it describes and the map from
 canonical tensor names to its Hugging Face tensors.
 
-Tensors are laid out as model.arch.tensor_shapes says: column-parallel matrices [out, in] (what nn.Linear stores),
+Tensors are laid out as arch.tensor_shapes says: column-parallel matrices [out, in] (what nn.Linear stores),
 row-parallel matrices (attn.o, mlp.down) [in, out] (nn.Linear's transpose; GPT-2's Conv1D already stores [in, out]).
 Each tensors() generator reads one source tensor at a time, so only it (and what is cut from it) is in memory.
 """
@@ -12,8 +12,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..arch import ModelArch
 from ..errors import CheckpointError
-from ..model.arch import ModelArch
 from .hf_encoders import ENCODER_FAMILIES
 from .hf_weights import WeightSource
 

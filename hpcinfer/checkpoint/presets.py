@@ -24,8 +24,8 @@ import math
 
 import numpy as np
 
+from ..arch import ModelArch, tensor_shapes
 from ..errors import ConfigError
-from ..model.arch import ModelArch, tensor_shapes
 
 EMBED_STD = 0.02
 _DRAWS_PER_BLOCK = 1 << 18          # 64-bit draws per block (1 Mi values): bounds the scratch memory of a read

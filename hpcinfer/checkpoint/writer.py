@@ -9,8 +9,8 @@ import numpy as np
 
 import h5py
 
+from ..arch import ModelArch, tensor_shapes
 from ..errors import CheckpointError
-from ..model.arch import ModelArch, tensor_shapes
 from ..quant.formats import DEFAULT_GROUP, LOAD_MODES, QuantError, quantize
 from ..quant.storage import QUANTIZATIONS, is_quantizable, is_row_parallel, write_quantized
 from .format import DTYPES, FORMAT_NAME, FORMAT_VERSION, to_storage
@@ -20,7 +20,7 @@ from .integrity import seal
 class CheckpointWriter:
     """Usage:
         with CheckpointWriter("out.h5", arch, "float32") as w:
-            w.add("embed.tokens", array)          # canonical name, stored layout (model.arch.tensor_shapes)
+            w.add("embed.tokens", array)          # canonical name, stored layout (arch.tensor_shapes)
             w.set_tokenizer(tokenizer_json, chat_template="...", bos_token="<s>", eos_token="</s>")
     A failure inside the block leaves no output file behind; success checks that every tensor was written.
     """

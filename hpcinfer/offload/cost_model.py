@@ -80,11 +80,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..model.arch import ModelArch, tensor_shapes
+from ..arch import ModelArch, tensor_shapes
 from .budget import ACT_ITEMSIZE, device_rows
 from .policy import Policy
-from .sizes import kv_token_bytes, layer_bytes, table_bytes
 from .profile import HardwareProfile
+from .sizes import kv_token_bytes, layer_bytes, table_bytes
 from .tiers import place_layers
 
 VARIABLES = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")

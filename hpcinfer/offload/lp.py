@@ -27,12 +27,12 @@ import math
 import numpy as np
 from scipy.optimize import linprog
 
+from ..arch import ModelArch
 from ..errors import ConfigError
-from ..model.arch import ModelArch
+from . import rounding
 from .cost_model import LINKS, TIERS, VARIABLES, CostModel, CostTerms, Prediction, evaluate
 from .policy import Policy, human_bytes
 from .profile import HardwareProfile
-from . import rounding
 from .tiers import place_layers
 
 NV = len(VARIABLES)                       # the nine fractions; then T_pre, T_gen

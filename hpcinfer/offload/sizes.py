@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 
+from ..arch import tensor_shapes
 from ..quant.kv import kv_bytes_per_token
-from ..model.arch import tensor_shapes
 from ..quant.storage import is_row_parallel, quantized_nbytes
 
 FLOAT32 = 4

@@ -1,5 +1,5 @@
 """The experts of one MoE layer that this rank holds: expert parallelism splits the experts, expert-slicing splits
-each expert's FFN width. Stored layouts (model.arch.tensor_shapes): up/gate [E, F, D] = [expert, out, in], down
+each expert's FFN width. Stored layouts (arch.tensor_shapes): up/gate [E, F, D] = [expert, out, in], down
 [E, F, D] = [expert, in, out], so this rank's experts and its F slice are one hyperslab of each.
 
 Shape legend: E experts of the layer, El local experts, F expert width, Fs = F / expert_tp, D hidden, M rows.

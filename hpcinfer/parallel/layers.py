@@ -1,6 +1,6 @@
 """Sharded layers: each is built at its local size and owns the rule for reading its shard of the checkpoint.
 
-Stored layouts put the split dimension first (model.arch.tensor_shapes), so every shard is one contiguous block of
+Stored layouts put the split dimension first (arch.tensor_shapes), so every shard is one contiguous block of
 rows: column-parallel weights are stored [out, in], row-parallel ones [in, out], vocab tables [V, D].
 Shape legend: T=tokens, S=sequences, D=hidden, V=vocab, Vs=vocab rows per tp rank.
 """

@@ -116,7 +116,7 @@ def quantization(args, arch) -> tuple:
     """(quant_of, kv_format) of `--quantize` / `--kv-cache` (and their groups) as the offload planner reads them
     (quant.planning: a quantized checkpoint counts as stored), quant_of None when no weight is quantized. The
     same helpers as the offload planner's, so that both planners agree on what is quantized."""
-    from ..model.arch import tensor_shapes
+    from ..arch import tensor_shapes
     from ..quant.planning import planned_kv_format, planned_quant_of
 
     quant_of = planned_quant_of(args.model, arch, args.quantize, args.quantize_group)

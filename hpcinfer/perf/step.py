@@ -27,7 +27,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..model.arch import ModelArch, tensor_shapes
+from ..arch import ModelArch, tensor_shapes
 from ..offload.sizes import kv_token_bytes, tensor_bytes
 from ..parallel.stages import layer_params
 from ..quant.storage import is_quantizable

@@ -4,7 +4,7 @@ A quantized tensor `name` is three root datasets instead of one: `name.q` (int8,
 4-bit values), `name.scale` and, when asymmetric, `name.min` (float32 [out, in / group_size]). All three hold the
 COMPUTE layout [out, in] with groups along `in`, row-parallel weights included (their float form is stored
 [in, out]); the attributes of `name.q` say how: mode, bits, group_size, shape (the float tensor's stored shape, as
-model.arch.tensor_shapes gives it) and transposed (true for row-parallel weights).
+arch.tensor_shapes gives it) and transposed (true for row-parallel weights).
 
 Which tensors are quantized: the 2-D weight matrices of attention and the dense MLP, the token embedding and the LM
 head. Norms, biases, position tables, MoE routers and expert stacks stay in the checkpoint's float dtype.
@@ -16,6 +16,7 @@ import re
 
 import numpy as np
 
+from ..arch import tensor_shapes
 from ..errors import CheckpointError, ConfigError
 from .formats import (DEFAULT_GROUP, GROUPED_MODES, LOAD_MODES, QuantError, QuantizedTensor, group_for, quantize,
                       slice_cols, slice_rows, spec)
@@ -87,8 +88,6 @@ def quantized_nbytes(mode: str, rows: int, cols: int, group_size: int = DEFAULT_
 def quant_of(ckpt):
     """tensor name -> (mode, group_size) for each tensor this checkpoint's model holds quantized (stored so, or
     quantized while it loads by `[model] quantize`), else None. Read now: it stays valid once the file is closed."""
-    from ..model.arch import tensor_shapes
-
     file = getattr(ckpt, "file", None)
     wanted = getattr(ckpt, "load_quant", None)
     modes = {}
@@ -137,8 +136,6 @@ def _check_stored_mode(ckpt, stored: str, mode: str, group_size: int) -> None:
 def stored_group_size(ckpt) -> int | None:
     """The group size of the checkpoint's stored quantized matrices (one per checkpoint: convert writes every
     matrix with the same --group-size), None when it stores none."""
-    from ..model.arch import tensor_shapes
-
     file = getattr(ckpt, "file", None)
     for name in tensor_shapes(ckpt.arch) if file is not None else ():
         if is_stored_quantized(file, name) and str(file[f"{name}.q"].attrs["mode"]) in GROUPED_MODES:

@@ -1,7 +1,8 @@
 """One decoder architecture, described by features rather than by family.
 
 A family (GPT-2, OPT, GPT-NeoX, Llama) is only a choice of these features; the converters fill them in and the
-checkpoint stores them as root attributes (see docs/checkpoint-format.md).
+checkpoint stores them as root attributes (see docs/checkpoint-format.md). It sits at the bottom of the package and
+imports nothing of it: checkpoint/, quant/, offload/, perf/ and model/ all describe models with it.
 """
 
 from __future__ import annotations
