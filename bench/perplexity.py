@@ -110,7 +110,7 @@ def make_windows(path: Path, count: int, length: int) -> list[list[int]]:
 
 def all_position_logits(model, tokens: list[int]) -> np.ndarray:
     """One sequence, one prefill step: logits [T, V] float32 at every position."""
-    from hpcinfer.backend.ops import StepLayout
+    from hpcinfer.backend.interface import StepLayout
     from hpcinfer.generate.kv_cache import KVCache
 
     arch = model.arch
@@ -124,7 +124,7 @@ def all_position_logits(model, tokens: list[int]) -> np.ndarray:
 def decode_logits(model, windows: list[list[int]]) -> list[np.ndarray]:
     """All windows as one batch, token by token: step t feeds token t of each window at position t and returns
     logits [S, V] for position t. -> per window logits [W, V] (float32) at every position."""
-    from hpcinfer.backend.ops import StepLayout
+    from hpcinfer.backend.interface import StepLayout
     from hpcinfer.generate.kv_cache import KVCache
 
     arch, S, W = model.arch, len(windows), len(windows[0])

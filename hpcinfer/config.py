@@ -12,7 +12,7 @@ from fractions import Fraction
 import tomllib
 from dataclasses import dataclass, field
 
-from .backend.ops import BACKENDS
+from .backend.interface import BACKENDS
 from .comm.nccl_group import COMMS
 from .errors import ConfigError
 from .quant.formats import LOAD_MODES

@@ -231,7 +231,7 @@ def test_a_pipeline_stage_replays_from_received_activations(fake_cupy):
     """pp = 2 by hand: stage 0 (embedding, 2 layers) hands its activations to stage 1 (2 layers, head); both run
     their decode steps through graphs, and the logits equal one eager stage's."""
     from hpcinfer.backend.cupy_ops import CupyOps
-    from hpcinfer.backend.ops import StepLayout
+    from hpcinfer.backend.interface import StepLayout
     from hpcinfer.generate.kv_cache import KVCache
     from hpcinfer.parallel.stages import StageSpec
 

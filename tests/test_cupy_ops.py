@@ -24,8 +24,8 @@ import pytest
 
 from hpcinfer.backend import moe_ops
 from hpcinfer.backend.cupy_ops import gpu_available
+from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.backend.ops import StepLayout
 from hpcinfer.parallel.layers import weight_dtype
 
 

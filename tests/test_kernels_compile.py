@@ -175,8 +175,8 @@ def test_sbi_layout_round_trip(dtype, n_in):
 # reductions and the epilogues are checked here, before any GPU time (speed and memory races are the GPU's tests).
 # Marked slow: ~80 s the first time (a g++ build per variant, cached under build/kernel-emu/), ~30 s after.
 from hpcinfer.backend import moe_ops                      # noqa: E402
+from hpcinfer.backend.interface import StepLayout         # noqa: E402
 from hpcinfer.backend.numpy_ops import NumpyOps           # noqa: E402
-from hpcinfer.backend.ops import StepLayout               # noqa: E402
 from hpcinfer.kernels import emulate                      # noqa: E402
 
 EMU_SKIP = emulate.unavailable()

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.backend.ops import StepLayout
 from hpcinfer.config import load_config
 from hpcinfer.errors import ConfigError
 from hpcinfer.generate.kv_cache import KVCache, KVOffload
-from hpcinfer.quant.kv import kv_bytes_per_token
 from hpcinfer.quant.formats import QuantError
+from hpcinfer.quant.kv import kv_bytes_per_token
 from hpcinfer.quant.kv import QuantizedKV, dequantize_rows, kv_format, quantize_rows
 
 OPS = NumpyOps()

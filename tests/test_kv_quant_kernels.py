@@ -15,8 +15,8 @@ import pytest
 
 from hpcinfer.backend import cupy_kv
 from hpcinfer.backend.cupy_ops import CupyOps
+from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.backend.ops import StepLayout
 from hpcinfer.kernels import emulate
 from hpcinfer.quant.formats import QuantError
 from hpcinfer.quant.kv import QuantizedKV, dequantize_rows, kv_format, quantize_rows

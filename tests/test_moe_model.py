@@ -22,7 +22,7 @@ import pytest
 from hpcinfer.api import generate, load_model, prompt_logits
 from hpcinfer.arch import tensor_shapes
 from hpcinfer.backend import moe_ops
-from hpcinfer.backend.ops import StepLayout
+from hpcinfer.backend.interface import StepLayout
 from hpcinfer.checkpoint.format import open_checkpoint
 from hpcinfer.generate.kv_cache import KVCache
 from moe_models import DS_EXPERTS, PR_EXPERTS, write_ds_moe, write_pr_moe

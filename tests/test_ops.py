@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.backend.ops import StepLayout
 
 ops = NumpyOps()
 rng = np.random.default_rng(0)

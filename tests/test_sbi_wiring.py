@@ -20,8 +20,8 @@ import pytest
 
 from hpcinfer.backend import cupy_sbi
 from hpcinfer.backend.cupy_ops import CupyOps
+from hpcinfer.backend.interface import NormParams
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.backend.ops import NormParams
 from hpcinfer.kernels import emulate
 
 F32 = np.float32

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.kv_attention import keep_counts
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.backend.ops import StepLayout
 from hpcinfer.quant.kv import QuantizedKV, kv_format
 
 OPS = NumpyOps()

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cupy_kv
 from .cupy_graphs import DeviceStep
+from .interface import StepLayout
 from .kv_attention import SplitRows, split_attention
-from .ops import StepLayout
+from .numpy_ops import NumpyOps
 
 F32 = np.float32
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
@@ -37,8 +39,6 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     if _on_host(cache_k):                                    # CPU delegation: the cache stays where it lies
         return host_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)
     if topk or not isinstance(cache_k, cp.ndarray):          # a QuantizedKV cache, or top-k: cupy_kv.py
-        from . import cupy_kv
-
         return cupy_kv.attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)
     if step.num_tokens == 0:
         return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
@@ -104,8 +104,6 @@ def host_attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: floa
     """FlexGen's CPU delegation (`[offload] cpu_attention`): attention over a KV cache in host memory runs on the
     host (NumpyOps, the cache appended and read in place); only the step's q, k, v [T, heads, hd] go down and the
     context [T, H*hd] comes back up, never the cache."""
-    from .numpy_ops import NumpyOps
-
     host_q, host_k, host_v = (ops.to_host(a).astype(F32, copy=False) for a in (q, k, v))
     out = NumpyOps().attention(host_q, host_k, host_v, cache_k, cache_v, step, scale, topk)
     return ops.asarray(out)

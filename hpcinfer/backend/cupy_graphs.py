@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .ops import StepLayout
-
-if TYPE_CHECKING:
-    from .cupy_ops import CupyOps
+from .interface import StepLayout
 
 log = logging.getLogger("hpcinfer")
 
@@ -89,7 +85,7 @@ class DecodeGraph:
       must stay allocated, and be reused in place, for as long as the graphs are replayed.
     """
 
-    def __init__(self, ops: CupyOps, smallest_bucket: int = 64):
+    def __init__(self, ops, smallest_bucket: int = 64):                  # ops: a CupyOps
         cp = ops.xp
         self.ops, self.smallest_bucket = ops, smallest_bucket
         self.pool = cp.cuda.MemoryPool()

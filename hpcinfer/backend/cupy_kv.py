@@ -27,8 +27,8 @@ import numpy as np
 
 from ..quant.formats import QuantError
 from ..quant.kv import KVFormat, QuantizedKV
+from .interface import StepLayout
 from .kv_attention import keep_counts
-from .ops import StepLayout
 
 F32, F16 = np.float32, np.float16
 _i32, _i64, _f32c = np.int32, np.int64, np.float32

@@ -34,10 +34,11 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import cupy_attention, cupy_moe, cupy_quant, cupy_sbi, moe_ops
-from .ops import StepLayout, unfused_linear
+from .cupy_dtypes import BF16_BITS, is_bf16
+from .cupy_transfer import StreamCopies
+from .interface import StepLayout, unfused_linear
 
 F32 = np.float32
-BF16_BITS = np.dtype(np.uint16)          # device dtype of bfloat16 storage
 
 
 def _import_cupy():
@@ -57,10 +58,6 @@ def gpu_available() -> bool:
         return bool(cupy.is_available())
     except Exception:  # noqa: BLE001 - a broken CUDA install means "no GPU here", never a crash
         return False
-
-
-def _is_bf16(dtype) -> bool:
-    return dtype is not None and np.dtype(dtype).name == "bfloat16"
 
 
 def _c_type(dtype) -> str | None:
@@ -107,8 +104,6 @@ class CupyOps:
     def copy_engine(self):
         """Pinned host buffers and a copy stream with events (backend/cupy_transfer.py); build it on the compute
         thread."""
-        from .cupy_transfer import StreamCopies
-
         return StreamCopies(self)
 
     # ---- memory ----------------------------------------------------------------------------------------------
@@ -118,13 +113,13 @@ class CupyOps:
         if isinstance(array, cp.ndarray):
             if dtype is None:
                 return cp.ascontiguousarray(array)
-            if _is_bf16(dtype):
+            if is_bf16(dtype):
                 return cp.ascontiguousarray(array) if array.dtype == BF16_BITS else self.k.to_bf16(array.astype(F32))
             return cp.ascontiguousarray(self._f32(array) if array.dtype == BF16_BITS else array, dtype=dtype)
         host = np.asarray(array)
         if dtype is not None:
             host = host.astype(dtype, copy=False)
-        if _is_bf16(host.dtype):
+        if is_bf16(host.dtype):
             host = host.view(np.uint16)
         return cp.asarray(np.ascontiguousarray(host))
 
@@ -139,7 +134,7 @@ class CupyOps:
         return host
 
     def zeros(self, shape, dtype=F32):
-        return self.xp.zeros(shape, dtype=BF16_BITS if _is_bf16(dtype) else dtype)
+        return self.xp.zeros(shape, dtype=BF16_BITS if is_bf16(dtype) else dtype)
 
     def _f32(self, a):
         """Any stored float (float32, float16, bfloat16 bits) -> float32 (no copy when already float32)."""

@@ -33,14 +33,14 @@ import threading
 
 import numpy as np
 
-from .cupy_ops import BF16_BITS, _is_bf16
+from .cupy_dtypes import BF16_BITS, is_bf16
 
 HOST_TO_DEVICE, DEVICE_TO_HOST = 1, 2      # cudaMemcpyKind
 
 
 def _bits(host: np.ndarray) -> np.ndarray:
     """bfloat16 host arrays travel as their uint16 bits (the device storage of bfloat16)."""
-    return host.view(BF16_BITS) if _is_bf16(host.dtype) else host
+    return host.view(BF16_BITS) if is_bf16(host.dtype) else host
 
 
 def pitched(a) -> tuple[int, int, int]:
@@ -106,7 +106,7 @@ class StreamCopies:
     def host_buffer(self, shape, dtype) -> np.ndarray:
         """A pinned host array (bfloat16: pinned uint16 viewed as bfloat16)."""
         dtype = np.dtype(dtype)
-        bits = self._empty_pinned(shape, dtype=BF16_BITS if _is_bf16(dtype) else dtype)
+        bits = self._empty_pinned(shape, dtype=BF16_BITS if is_bf16(dtype) else dtype)
         return bits.view(dtype)
 
     def host_copy(self, array) -> np.ndarray:

@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from ..quant.kv import QuantizedKV
-from .ops import StepLayout
+from .interface import StepLayout
 
 F32 = np.float32
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import moe_ops
-from .ops import StepLayout, unfused_linear
+from ..quant.formats import dequantize, slice_rows, take_rows
+from . import kv_attention, moe_ops
+from .interface import StepLayout, unfused_linear
+from .transfer import HostCopies
 
 F32 = np.float32
 SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
@@ -39,8 +41,6 @@ class NumpyOps:
 
     def copy_engine(self):
         """Copies made at once on the calling thread (backend/transfer.py)."""
-        from .transfer import HostCopies
-
         return HostCopies()
 
     # ---- dense math --------------------------------------------------------------------------------------------
@@ -76,8 +76,6 @@ class NumpyOps:
         """x [T, in] @ dequantize(qt)[out, in].T (+ bias) -> [T, out] for a QuantizedTensor (quant/formats.py).
         The weight is dequantized QUANT_TILE output rows at a time into one reused float32 buffer per tile shape,
         each tile multiplied right away: never a float copy of the whole weight, none kept between calls."""
-        from ..quant.formats import dequantize, slice_rows
-
         rows, cols = qt.shape
         y = np.empty((x.shape[0], rows), dtype=F32)
         for start in range(0, rows, QUANT_TILE):
@@ -91,8 +89,6 @@ class NumpyOps:
 
     def embedding_q(self, qt, ids):
         """Gather rows of a quantized table [V, D], dequantizing only those rows -> [T, D] float32."""
-        from ..quant.formats import take_rows
-
         return take_rows(qt, np.asarray(ids))
 
     def _buffer(self, shape, dtype):
@@ -181,8 +177,6 @@ class NumpyOps:
         if step.num_tokens == 0:                             # a replica with no tokens in a lockstep step
             return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
         if not isinstance(cache_k, np.ndarray) or (0 < topk < 1 and step.is_decode):
-            from . import kv_attention
-
             return kv_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         self._append_kv(k, v, cache_k, cache_v, step)
         if step.is_decode:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..backend.ops import BACKENDS
+from ..backend.interface import BACKENDS
 from ..config import read_toml
 from ..errors import ConfigError
 

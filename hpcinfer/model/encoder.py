@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend.ops import StepLayout
+from ..backend.interface import StepLayout
 from ..parallel.layers import Replicated, VocabParallelEmbedding
 from .norm import Norm
 from .transformer import Block

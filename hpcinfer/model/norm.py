@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend.ops import NormParams
+from ..backend.interface import NormParams
 from ..parallel.layers import Replicated
 
 
