@@ -21,10 +21,11 @@ import pytest
 
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.errors import ConfigError
-from hpcinfer.offload.budget import device_rows, kv_plan_bytes
+from hpcinfer.offload.budget import kv_plan_bytes
 from hpcinfer.offload.cost_model import CostModel, evaluate
 from hpcinfer.offload.lp import PlacementError, search_policy, solve_placement
 from hpcinfer.offload.policy import Policy
+from hpcinfer.offload.sizes import device_rows
 from test_offload_policy import ACT, ARCH, KV, N, S, TABLES, W, WORK, WT, machine, policy
 
 CACHE_ROWS, CACHE_ROW = 2 * 4, (S + N) * 512 * 4 // 4       # a GPU batch's cache rows; bytes of one (4 layers)

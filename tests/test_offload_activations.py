@@ -23,9 +23,10 @@ import pytest
 import test_offload as base
 import test_offload_kv_quant as kvq
 from hpcinfer.errors import ConfigError
-from hpcinfer.parallel.micro_batches import micro_batches
 from hpcinfer.offload import activations
-from hpcinfer.offload.budget import act_plan_bytes, device_rows, plan_bytes
+from hpcinfer.offload.budget import act_plan_bytes, plan_bytes
+from hpcinfer.offload.sizes import device_rows
+from hpcinfer.parallel.micro_batches import micro_batches
 from hpcinfer.parallel.stages import partition_layers
 from test_offload import MAX_NEW, PROMPT_LENGTHS, config_for, make_prompts, offload, preset
 

@@ -21,9 +21,10 @@ import test_offload as base
 import test_offload_kv_quant as kvq
 from hpcinfer.config import OffloadSection
 from hpcinfer.errors import ConfigError
-from hpcinfer.parallel.micro_batches import micro_batches
-from hpcinfer.offload.budget import device_rows, kv_plan_bytes
+from hpcinfer.offload.budget import kv_plan_bytes
 from hpcinfer.offload.lp import search_policy, solve_placement
+from hpcinfer.offload.sizes import device_rows
+from hpcinfer.parallel.micro_batches import micro_batches
 from test_offload import MAX_NEW, PROMPT_LENGTHS, config_for, host_kvs, make_prompts, offload, preset
 from test_offload_policy import ARCH, DEVICE_FOR_CACHE, KV, N as GEN, S, machine
 

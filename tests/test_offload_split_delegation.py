@@ -21,9 +21,10 @@ import pytest
 
 import test_offload as base
 import test_offload_kv_quant as kvq
-from hpcinfer.parallel.micro_batches import micro_batches
-from hpcinfer.offload.budget import device_rows, host_attention_bytes, kv_plan_bytes, plan_bytes
 from hpcinfer.checkpoint.presets import PRESETS, PresetSource
+from hpcinfer.offload.budget import host_attention_bytes, kv_plan_bytes, plan_bytes
+from hpcinfer.offload.sizes import device_rows
+from hpcinfer.parallel.micro_batches import micro_batches
 from test_offload import MAX_NEW, PROMPT_LENGTHS, config_for, host_kvs, make_prompts, offload, preset
 
 TINY = PRESETS["tiny-dense"]

@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import math
-
 from ..config import parse_bytes
 from ..errors import ConfigError
 from ..parallel.micro_batches import micro_batches
 from ..quant.formats import QuantError
 from ..quant.kv import kv_format
-from .sizes import kv_token_bytes, layer_bytes, table_bytes
+from .cost_model import CostModel
+from .policy import Policy
+from .profile import resolve_profile
+from .sizes import ACT_ITEMSIZE, device_rows, kv_token_bytes, layer_bytes, table_bytes
 from .tiers import place_layers
 
 
 def itemsize(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
-
-
-ACT_ITEMSIZE = 4                  # hidden states are computed in float32 whatever the weights' dtype (backend/ops)
-
-
-def device_rows(rows: int, cache_gpu: float) -> int:
-    """Of a GPU batch's KV rows (N sequences x Hkv local heads) or activation rows (its T tokens), how many stay on
-    the device under `cache_gpu` (`act_gpu`) percent: the nearest whole row, halves up (FlexGen's tensor
-    granularity; offload/zigzag.py and offload/activations.py hold them so)."""
-    return min(rows, math.floor(rows * cache_gpu / 100 + 0.5))
 
 
 def kv_format_of(config, arch):
@@ -146,10 +137,6 @@ def predicted_vs_measured(arch, config, prompt_lengths: list, blocks: int, measu
                           quant_of=None) -> dict | None:
     """The cost model's time for this run's policy on `[offload] profile`, beside the measured time (quant_of:
     the tensors held quantized, whose quantized bytes are what moves)."""
-    from .cost_model import CostModel
-    from .policy import Policy
-    from .profile import resolve_profile
-
     off = config.offload
     if off.profile is None:
         return None

@@ -65,7 +65,7 @@ Peak memory per tier (FlexGen A.3's "home" plus working-set terms; the prefill p
   (and attention is not delegated) the runtime holds two device buffers of one layer of a GPU batch's cache (one loading while the other
   computes), whatever the prefetch depth, and likewise two [b s, D] buffers for the activations; none while that
   part is wholly on the device. A step function, not linear: `CostTerms.peak` (the prediction) counts it exactly,
-  with each share rounded to whole rows per GPU batch as budget.device_rows rounds it, and lp.py solves the LP on
+  with each share rounded to whole rows per GPU batch as sizes.device_rows rounds it, and lp.py solves the LP on
   each side of each step (`CostTerms.memory_case`, which adds half a row per GPU batch as a bound on the rounding).
 Weights at layer granularity: W is the average decoder layer; E, the embedding tables (token and position
 tables, final norm, LM head), stays on the device, as the runtime keeps it (offload/sizes.py counts both the
@@ -81,10 +81,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..arch import ModelArch, tensor_shapes
-from .budget import ACT_ITEMSIZE, device_rows
 from .policy import Policy
 from .profile import HardwareProfile
-from .sizes import kv_token_bytes, layer_bytes, table_bytes
+from .sizes import ACT_ITEMSIZE, device_rows, kv_token_bytes, layer_bytes, table_bytes
 from .tiers import place_layers
 
 VARIABLES = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -130,7 +129,7 @@ class ModelSizes:
     kv_bytes: int                # K and V of one token in one layer as the runtime holds them: float32 rows
                                  # whatever the weights' dtype (generate/kv_cache.py, both backends), or the KV
                                  # format's bytes (sizes.kv_token_bytes, the budget check's rule)
-    act_bytes: int               # one token's hidden state, float32 as the runtime computes it (budget.ACT_ITEMSIZE)
+    act_bytes: int               # one token's hidden state, float32 as the runtime computes it (sizes.ACT_ITEMSIZE)
     query_bytes: int             # one token's query (= its attention output), float32 likewise
     query_width: int             # H * hd
     heads: int
@@ -201,7 +200,7 @@ class Staging:
         return 0.5 * self.groups * self.row_bytes
 
     def whole_rows(self, x: dict) -> dict:
-        """x with this part's device share rounded to whole rows as the runtime rounds it (budget.device_rows);
+        """x with this part's device share rounded to whole rows as the runtime rounds it (sizes.device_rows);
         the off-device fractions share the rest in their proportions."""
         if self.rows < 1:
             return x
@@ -259,7 +258,7 @@ class CostTerms:
 
     def placed(self, fractions: dict) -> dict:
         """The fractions as the runtime holds them: weights in whole layers (tiers.place_layers), the cache and
-        the activations in whole rows per GPU batch (budget.device_rows)."""
+        the activations in whole rows per GPU batch (sizes.device_rows)."""
         x = whole_layers(fractions, self.num_layers)
         for part in self.staging:
             x = part.whole_rows(x)

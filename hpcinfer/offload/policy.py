@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tiers import place_layers
+
 SCHEDULES = ("zigzag", "row")
 
 
@@ -90,8 +92,6 @@ class Policy:
         plan was made with (a preset or a file), printed so that the run reports predicted against measured."""
         layers = {}
         if num_layers:
-            from .tiers import place_layers
-
             tiers = place_layers(num_layers, self.weights_gpu, self.weights_cpu)
             layers = {t: f"{tiers.count(t)} of {num_layers} layers" for t in ("device", "host", "disk")}
         on = lambda tier: f"  # {layers[tier]}" if layers else ""

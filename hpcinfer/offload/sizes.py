@@ -14,6 +14,9 @@ quant_of: tensor name -> (mode, group_size) when that tensor is held quantized, 
 The KV cache has its rule here too (`kv_token_bytes`): the runtime's (quant/kv.kv_bytes_per_token),
 float32 rows, or with `[model] kv_cache = "int8" | "int4"` the format's packed values + a float16 scale and minimum
 per group (quant.kv.KVFormat.row_bytes). The budget check counts with it, and the cost model's KV term moves it.
+
+Rows: of a GPU batch's KV or activation rows, `device_rows` stay on the device under a placement percentage, and a
+hidden-state row is float32 (`ACT_ITEMSIZE`); the budget, the cost model and the schedules count with these too.
 """
 
 from __future__ import annotations
@@ -25,8 +28,16 @@ from ..quant.kv import kv_bytes_per_token
 from ..quant.storage import is_row_parallel, quantized_nbytes
 
 FLOAT32 = 4
+ACT_ITEMSIZE = 4                  # hidden states are computed in float32 whatever the weights' dtype (the Ops)
 TABLES = ("embed.tokens", "lm_head.weight")
 _WHOLE_FLOAT32 = ("embed.positions", ".router.", ".moe.coef.")
+
+
+def device_rows(rows: int, cache_gpu: float) -> int:
+    """Of a GPU batch's KV rows (N sequences x Hkv local heads) or activation rows (its T tokens), how many stay on
+    the device under `cache_gpu` (`act_gpu`) percent: the nearest whole row, halves up (FlexGen's tensor
+    granularity; the zig-zag schedule's KV cache and offload/activations.py hold them so)."""
+    return min(rows, math.floor(rows * cache_gpu / 100 + 0.5))
 
 
 def tensor_bytes(arch, name: str, shape: tuple, itemsize: int, tp: int = 1, quant_of=None) -> int:
