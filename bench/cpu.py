@@ -96,7 +96,8 @@ class Hpcinfer:
 
     def generate(self, prompts: list, new_tokens: int):
         """(prefill_s, [decode step s], generated ids per prompt); one packed prefill, then batched decode steps."""
-        from hpcinfer.generate.engine import GenerationParams, StepTimes, generate_batch
+        from hpcinfer.generate.engine import GenerationParams, StepTimes
+        from hpcinfer.generate.schedules.pipeline import generate_batch
 
         times = StepTimes()
         results = generate_batch(self.model, [list(p) for p in prompts], list(range(len(prompts))),

@@ -171,7 +171,8 @@ def load_model(name: str, s: Settings):
 
 
 def generate(model, prompts, new_tokens: int, cuda_graphs: bool = False):
-    from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+    from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+    from hpcinfer.generate.schedules.pipeline import generate_batch
 
     times = StepTimes()
     generate_batch(model, prompts, list(range(len(prompts))), GenerationParams(new_tokens, ignore_eos=True), times,

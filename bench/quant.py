@@ -148,7 +148,8 @@ def scratch_bytes(ops) -> int:
 def run_batch(model, prompts: list, new_tokens: int, cuda_graphs: bool = False):
     """(median decode step s, KV bytes, generated ids) of one generation (the device synchronized first)."""
     from hpcinfer.bench.common import sync_device
-    from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+    from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+    from hpcinfer.generate.schedules.pipeline import generate_batch
 
     times = StepTimes()
     sync_device(model.ops)

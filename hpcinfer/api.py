@@ -12,9 +12,10 @@ import numpy as np
 from .backend.ops import StepLayout, make_ops
 from .checkpoint.format import open_checkpoint
 from .comm.group import Groups
-from .generate.engine import GenerationParams, StepTimes, generate_batch
+from .generate.engine import GenerationParams, StepTimes
 from .generate.kv_cache import KVCache
 from .generate.sampling import SamplingParams
+from .generate.schedules.pipeline import generate_batch
 from .model.transformer import Decoder
 
 

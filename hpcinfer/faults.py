@@ -58,18 +58,17 @@ class Faults:
             self.at("load", f" (after block {i})")
         return hook
 
-    def arm(self, groups: list, model, is_last_stage: bool) -> None:
-        """After loading: the collective point on every group's watchdog, the sampling point on the LM head."""
+    def arm(self, groups: list) -> None:
+        """After loading: the collective point on every group's watchdog."""
         if not self.active:
             return
         for group in groups:
             if getattr(group, "size", 1) > 1 and hasattr(group, "watch"):
                 group.watch.on_enter = lambda op: self.at("collective", f" ({op})")
-        if is_last_stage:
-            logits = model.logits
 
-            def sampled(x, step):
-                out = logits(x, step)
-                self.at("sampling")
-                return out
-            model.logits = sampled
+    def sampling_hook(self, is_last_stage: bool):
+        """The sampling point, for the step runner to call before it samples from logits (generate/runner.py):
+        None where no fault is set or this stage does not sample."""
+        if not self.active or not is_last_stage:
+            return None
+        return lambda: self.at("sampling")

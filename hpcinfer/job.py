@@ -13,21 +13,21 @@ from .checkpoint.format import open_checkpoint
 from .comm.mesh import MeshShape
 from .errors import ConfigError
 from .generate.commit import ResultWriter, generation_fingerprint
-from .generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+from .generate.engine import GenerationParams, ScheduleParams, StepTimes
 from .generate.graphs import check_model as check_graphs
 from .generate.kv_cache import KVOffload, plan_offload
 from .generate.output import write_metrics
 from .generate.prompts import load_prompts
 from .generate.resume import SIDECAR_SUFFIX
+from .generate.runner import Runner
 from .generate.sampling import SamplingParams
+from .generate.schedules import run_block
 from .parallel.micro_batches import micro_batches
 from .generate.tokenizer import TextTokenizer
-from .metrics import held_weight_bytes, peak_rss_bytes, summarize
-from .offload.budget import ACT_ITEMSIZE, check_budgets, kv_format_of, predicted_vs_measured
+from .metrics import peak_rss_bytes, summarize
+from .offload.budget import check_budgets, kv_format_of, predicted_vs_measured
 from .offload.partition import fetch_share
-from .offload.sizes import kv_token_bytes
 from .quant.storage import quant_of
-from .offload.zigzag import run_block_zigzag
 from .parallel.layout import check_experts, check_tensor_parallel
 from .parallel.stages import partition_layers
 
@@ -191,16 +191,19 @@ def _check_writable(path: str, key: str) -> None:
         raise ConfigError(f"{key} = '{path}': directory '{directory}' is not writable")
 
 
-def generate_share(model, job: Job, mesh, link, end_round=None) -> tuple[StepTimes, list]:
+def generation_params(config) -> GenerationParams:
+    g = config.generate
+    return GenerationParams(g.max_new_tokens, SamplingParams(g.temperature, g.top_k, g.top_p), g.seed, g.ignore_eos)
+
+
+def generate_share(runner: Runner, job: Job, mesh, link, end_round=None) -> tuple[StepTimes, list]:
     """This data-parallel replica's batches, through its pipeline, one batch round at a time: round k holds the
     next dp batches not yet done (job.skip), and replica d takes the d-th of them. For MoE models the replicas
     exchange tokens in every MoE layer, so they step together: a round is one batch, each takes its slice.
 
     end_round(results) -> bool runs on every rank after each round (generate/rounds.py: commit, stop flag); True
     stops. Without it, the results are collected and returned."""
-    g = job.config.generate
-    params = GenerationParams(g.max_new_tokens, SamplingParams(g.temperature, g.top_k, g.top_p), g.seed,
-                              g.ignore_eos)
+    model, g = runner.model, job.config.generate
     schedule = schedule_params(job.config, mesh.local_rank)
     _, dp_index, _ = mesh.coords
     dp = mesh.shape.dp
@@ -211,14 +214,15 @@ def generate_share(model, job: Job, mesh, link, end_round=None) -> tuple[StepTim
         round_results = []
         if batch is not None:
             indices = list(batch) if lockstep is None else [int(i) for i in np.array_split(list(batch), dp)[dp_index]]
-            outputs = _one_batch(model, job, indices, params, times, schedule, link, lockstep, len(batch))
+            outputs = run_block(runner, [job.prompts[i].tokens for i in indices], indices, times, schedule,
+                                job.config.offload, link, lockstep, len(batch))
             if outputs is not None:
                 round_results = [(i, tokens, reason) for i, (tokens, reason) in zip(indices, outputs)]
         if end_round is None:
             results += round_results
         elif end_round(round_results):
             break
-    schedule.run_graphs.close()                       # the run's kept KV cache and CUDA graphs (generate/graphs.py)
+    runner.close()                                    # the run's kept KV cache and CUDA graphs (generate/graphs.py)
     if model.weights is not None:
         times.weights_peak_device_bytes = model.weights.peak_bytes
         times.weights_bytes_from_host = model.weights.bytes_from_host
@@ -234,44 +238,6 @@ def _rounds(todo: list, dp: int, dp_index: int, lockstep: bool):
     for first in range(0, len(todo), per_round):
         mine = todo[first:first + per_round]
         yield mine[0] if lockstep else (mine[dp_index] if dp_index < len(mine) else None)
-
-
-def _one_batch(model, job: Job, indices: list, params, times, schedule, link, lockstep, batch_size: int):
-    """[(generated ids, finish_reason)] of the prompts `indices` (None on a stage that does not sample)."""
-    prompts = [job.prompts[i].tokens for i in indices]
-    if job.config.offload.active:
-        return _offloaded_batch(model, prompts, indices, params, times, job.config.offload)
-    return generate_batch(model, prompts, indices, params, times, schedule, link, lockstep=lockstep,
-                          batch_size=batch_size)
-
-
-def _offloaded_batch(model, prompts, indices, params, times, offload) -> list:
-    """One batch = one block: the zig-zag schedule over its GPU batches, or row by row (each GPU batch through
-    all its token steps, streaming every layer each step). The tiers' counter (model.weights.memory) holds the
-    embedding tables throughout; the zig-zag schedule counts its caches and activations itself, here the row
-    schedule's are counted around each GPU batch (generate_batch allocates its whole KV cache at the start)."""
-    memory = model.weights.memory
-    memory.hold("device", "embedding tables", held_weight_bytes([model.embed, model.positions, model.final_norm,
-                                                                 model.lm_head]))
-    if offload.schedule == "zigzag":
-        return run_block_zigzag(model, prompts, indices, params, times, offload)
-    outputs = []
-    for group in micro_batches(len(prompts), offload.num_gpu_batches):
-        members = [prompts[i] for i in group]
-        memory.hold("device", "KV cache", _row_cache_bytes(model, members, params.max_new_tokens))
-        memory.hold("device", "activations", sum(map(len, members)) * model.arch.hidden_size * ACT_ITEMSIZE)
-        outputs += generate_batch(model, members, [indices[i] for i in group], params, times)
-        memory.hold("device", "KV cache", 0)
-        memory.hold("device", "activations", 0)
-    return outputs
-
-
-def _row_cache_bytes(model, prompts: list, max_new_tokens: int) -> int:
-    """Bytes of the KV cache generate_batch allocates for these prompts: every local layer, every sequence, the
-    longest sequence's positions (offload/sizes.kv_token_bytes, the budget's rule)."""
-    arch = model.arch
-    max_len = max(min(len(p) + max_new_tokens, arch.max_positions) for p in prompts)
-    return kv_token_bytes(arch, model.tp.size, model.kv_format) * max_len * len(prompts) * model.num_local_layers
 
 
 def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> None:

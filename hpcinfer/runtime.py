@@ -31,7 +31,8 @@ from .faults import Faults
 from .generate.graphs import check_comm as check_graphs_comm
 from .generate.progress import Progress
 from .generate.rounds import BatchRounds, StopFlag
-from .job import RankReport, generate_share, kv_format_of, prepare_job, write_outputs
+from .generate.runner import Runner
+from .job import RankReport, generate_share, generation_params, kv_format_of, prepare_job, write_outputs
 from .model.transformer import Decoder
 from .logs import setup_logging
 from .offload.tiers import WeightTiers, place_layers
@@ -131,11 +132,12 @@ def _run(world, config_path: str, overrides: list[str], restart: bool = False, s
         model.load(ckpt, after_block=faults.after_block(model.weights.place if model.weights is not None else None))
     load_s = time.perf_counter() - t0
     faults.at("after_load")
-    faults.arm([mesh.world, mesh.tp, mesh.dp, mesh.pp, mesh.stage], model, stage.is_last)
-    _generate(config, mesh, model, job, stop or StopFlag(), load_s, t_start, threads)
+    faults.arm([mesh.world, mesh.tp, mesh.dp, mesh.pp, mesh.stage])
+    runner = Runner(model, generation_params(config), on_sample=faults.sampling_hook(stage.is_last))
+    _generate(config, mesh, runner, job, stop or StopFlag(), load_s, t_start, threads)
 
 
-def _generate(config, mesh, model, job, stop: StopFlag, load_s: float, t_start: float, threads: int) -> None:
+def _generate(config, mesh, runner, job, stop: StopFlag, load_s: float, t_start: float, threads: int) -> None:
     """The schedule, one batch round at a time (each committed by rank 0), then the final outputs; raises
     Stopped on every rank when a signal asked them to stop."""
     t0 = time.perf_counter()
@@ -148,16 +150,17 @@ def _generate(config, mesh, model, job, stop: StopFlag, load_s: float, t_start: 
             mode = "bar" if sys.stdout.isatty() and sys.stderr.isatty() else "log"
         progress = Progress(len(job.prompts), len(job.skip), mode, stream=sys.stderr)
     rounds = BatchRounds(mesh.world, job.writer, progress, stop, is_writer)
-    times, _ = generate_share(model, job, mesh, link, rounds.end)
+    times, _ = generate_share(runner, job, mesh, link, rounds.end)
     generate_s = time.perf_counter() - t0
-    gathered = mesh.world.gather_object(RankReport(mesh.coords, [], times, generate_s, held=held_bytes(model)))
+    gathered = mesh.world.gather_object(RankReport(mesh.coords, [], times, generate_s,
+                                                   held=held_bytes(runner.model)))
     if rounds.stopped:
         done = len(job.writer.done) if job.writer is not None else 0
         raise Stopped(f"stopped by {rounds.stopped} after the batch round in flight: {done} of {len(job.prompts)} "
                       f"prompts committed to {config.generate.output}; run the same command again to resume "
                       f"(exit code {EXIT_STOPPED})")
     if mesh.world.rank == 0:
-        write_outputs(job, model.arch, mesh, gathered, load_s, time.perf_counter() - t_start, threads)
+        write_outputs(job, runner.model.arch, mesh, gathered, load_s, time.perf_counter() - t_start, threads)
 
 
 def _run_embed(world, config, ranks_per_node: int, t_start: float, restart: bool, stop: StopFlag) -> None:

@@ -26,7 +26,9 @@ from hpcinfer.comm.group import Groups
 from hpcinfer.config import load_config
 from hpcinfer.errors import ConfigError
 from hpcinfer.generate import graphs
-from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.runner import Runner
+from hpcinfer.generate.schedules.pipeline import generate_batch
 from hpcinfer.model.transformer import Decoder
 
 BASE = '[model]\ncheckpoint = "m.h5"\n\n[generate]\nprompts = "p.jsonl"\noutput = "o.jsonl"\n'
@@ -201,7 +203,6 @@ def test_more_sequences_than_the_gemv_kernel_takes_run_eagerly_with_the_kernels(
     big = generate_batch(model, prompts[:SBI_MAX_TOKENS + 1], list(range(SBI_MAX_TOKENS + 1)), params, times,
                          schedule)
     small = generate_batch(model, prompts[SBI_MAX_TOKENS + 1:], [0, 1], params, times, schedule)
-    schedule.run_graphs.close()
     assert [t for t, _ in big + small] == want
     assert times.graph_eager_steps == new_tokens - 1                  # the 17-sequence key: eager
     assert (times.graph_captures, times.graph_replays) == (1, new_tokens - 1)   # the 2-sequence key: captured
@@ -244,13 +245,14 @@ def test_a_pipeline_stage_replays_from_received_activations(fake_cupy):
         return KVCache(ops, model.num_local_layers, 2, model.kv_heads_local, 128, arch.head_dim)
 
     caches = [cache_of(whole)] + [cache_of(m) for m in stages]
-    runners = [graphs.DecodeGraphs(m, c) for m, c in zip(stages, caches[1:])]
+    steppers = [Runner(m, GenerationParams(1)) for m in stages]
+    runners = [graphs.DecodeGraphs(m, c, s.forward) for m, c, s in zip(stages, caches[1:], steppers)]
     prompts = prompts_for(arch.vocab_size)[:2]
     step = StepLayout.build([0, 1], [0, 0], [len(p) for p in prompts])
     tokens = np.concatenate([np.asarray(p) for p in prompts])
     want = whole.forward(tokens, step, caches[0])
-    x = graphs.stage_step(stages[0], caches[1], {"tokens": tokens}, step)
-    got = graphs.stage_step(stages[1], caches[2], {"x": ops.to_host(x)}, step)
+    x = steppers[0].forward(caches[1], {"tokens": tokens}, step)
+    got = steppers[1].forward(caches[2], {"x": ops.to_host(x)}, step)
     np.testing.assert_allclose(ops.to_host(got), ops.to_host(want), rtol=1e-5, atol=1e-5)
     for j in range(5):                                             # prompts of 50 and 61: buckets 64, then 128
         next_tokens = np.argmax(ops.to_host(want), axis=-1)
@@ -267,21 +269,24 @@ def test_a_pipeline_stage_replays_from_received_activations(fake_cupy):
 
 def run_batches(model, prompts, batch_size: int, cuda_graphs: bool, gen_micro_batches: int = 1,
                 new_tokens: int = NEW_TOKENS):
-    """As job.generate_share: one ScheduleParams and one StepTimes for the run, one generate_batch per batch of
+    """As job.generate_share: one Runner, ScheduleParams and StepTimes for the run, one run_batch per batch of
     `batch_size` prompts (the last one may be smaller). Returns the tokens, the times, and the kept KV cache after
     each batch (None with graphs off); the run's graphs are closed at the end."""
+    from hpcinfer.generate.runner import Runner
+    from hpcinfer.generate.schedules.pipeline import run_batch
+
     schedule = ScheduleParams(1, gen_micro_batches, None, cuda_graphs)
-    params = GenerationParams(new_tokens, ignore_eos=True)
+    runner = Runner(model, GenerationParams(new_tokens, ignore_eos=True))
     times, tokens, caches = StepTimes(), [], []
     for first in range(0, len(prompts), batch_size):
         ids = list(range(first, min(first + batch_size, len(prompts))))
-        out = generate_batch(model, [prompts[i] for i in ids], ids, params, times, schedule)
+        out = run_batch(runner, [prompts[i] for i in ids], ids, times, schedule)
         tokens += [t for t, _ in out]
-        kept = schedule.run_graphs.graphs
+        kept = runner.graphs.graphs
         caches.append(None if kept is None else kept.cache)
-    kept = schedule.run_graphs.graphs
-    schedule.run_graphs.close()
-    assert schedule.run_graphs.graphs is None and (kept is None or not kept.graph.captured)
+    kept = runner.graphs.graphs
+    runner.close()
+    assert runner.graphs.graphs is None and (kept is None or not kept.graph.captured)
     return tokens, times, caches
 
 

@@ -23,7 +23,8 @@ from hpcinfer.backend.cupy_ops import gpu_available
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from hpcinfer.comm.group import Groups
-from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.schedules.pipeline import generate_batch
 from hpcinfer.model.transformer import Decoder
 
 pytestmark = [pytest.mark.gpu,

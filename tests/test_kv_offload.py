@@ -21,7 +21,8 @@ from hf_models import save_tiny_model  # noqa: E402
 from hpcinfer.api import load_model  # noqa: E402
 from hpcinfer.checkpoint.hf import convert_hf  # noqa: E402
 from hpcinfer.errors import ConfigError  # noqa: E402
-from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch  # noqa: E402
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes  # noqa: E402
+from hpcinfer.generate.schedules.pipeline import generate_batch  # noqa: E402
 from hpcinfer.generate.kv_cache import KVCache, KVOffload, plan_offload  # noqa: E402
 from hpcinfer.quant.kv import kv_bytes_per_token  # noqa: E402
 from hpcinfer.generate.sampling import SamplingParams  # noqa: E402

@@ -167,7 +167,8 @@ def run_on_layout(source, dispatch: str, tp: int, ep: int, expert_tp: int, kind:
     from mpi_helpers import world
 
     from hpcinfer.comm.mesh import build_mesh
-    from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+    from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+    from hpcinfer.generate.schedules.pipeline import generate_batch
 
     comm = world()
     mesh = build_mesh(comm, tp, 1, tp)                  # tp = 1: two nodes of one rank (two levels)

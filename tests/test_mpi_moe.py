@@ -24,7 +24,8 @@ from hpcinfer.checkpoint.format import open_checkpoint
 from hpcinfer.comm.group import Groups, MoELayout
 from hpcinfer.comm.mesh import build_mesh
 from hpcinfer.comm.pipeline import StageLink
-from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.schedules.pipeline import generate_batch
 from hpcinfer.model.moe import MoE
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.parallel.layout import check_experts

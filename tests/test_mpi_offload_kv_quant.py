@@ -15,8 +15,9 @@ from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from hpcinfer.comm.group import Groups, MPIGroup
 from hpcinfer.config import OffloadSection
-from hpcinfer.generate.engine import GenerationParams, StepTimes
-from hpcinfer.job import _offloaded_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.runner import Runner
+from hpcinfer.generate.schedules import run_block
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.quant.kv import kv_format
 from hpcinfer.runtime import _weight_tiers
@@ -42,8 +43,7 @@ def run(mode: str, keys: dict, tp: int):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in PROMPT_LENGTHS]
     times = StepTimes()
-    out = _offloaded_batch(model, prompts, list(range(len(prompts))), GenerationParams(MAX_NEW, ignore_eos=True),
-                           times, off)
+    out = run_block(Runner(model, GenerationParams(MAX_NEW, ignore_eos=True)), prompts, list(range(len(prompts))), times, ScheduleParams(), off)
     model.weights.close()
     return out, times
 

@@ -28,8 +28,10 @@ from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.comm.group import Groups
 from hpcinfer.comm.mesh import build_mesh
 from hpcinfer.config import OffloadSection
-from hpcinfer.generate.engine import GenerationParams, StepTimes, generate_batch
-from hpcinfer.job import _offloaded_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.schedules.pipeline import generate_batch
+from hpcinfer.generate.runner import Runner
+from hpcinfer.generate.schedules import run_block
 from hpcinfer.kernels import emulate
 from hpcinfer.model.transformer import Decoder
 from hpcinfer import runtime
@@ -101,7 +103,7 @@ def tokens(model, prompts, params, off=None) -> list:
     if off is None:
         out = generate_batch(model, prompts, ids, params, times)
     else:
-        out = _offloaded_batch(model, prompts, ids, params, times, off)
+        out = run_block(Runner(model, params), prompts, ids, times, ScheduleParams(), off)
         model.weights.close()
     return [t for t, _ in out]
 

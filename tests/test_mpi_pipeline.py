@@ -16,7 +16,8 @@ from hpcinfer.checkpoint.hf import convert_hf
 from hpcinfer.comm.group import Groups
 from hpcinfer.comm.mesh import build_mesh
 from hpcinfer.comm.pipeline import StageLink
-from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes, generate_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.schedules.pipeline import generate_batch
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.parallel.stages import partition_layers
 

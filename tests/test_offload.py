@@ -1,7 +1,7 @@
 """Weight offload and the offloaded schedules (hpcinfer/offload/), in one process on the NumPy backend.
 
 The model is built as `hpcinfer run` builds it (runtime._weight_tiers: the Decoder's blocks placed in their tiers as
-they load) and generation runs as the job runs it (job._offloaded_batch: the row or zig-zag schedule of
+they load) and generation runs as the job runs it (generate/schedules.run_block: the row or zig-zag schedule of
 `[offload]`). Presets give the weights: "tiny-dense" (4 GPT-2 style layers of 195 KiB), a 12-layer stand-in of
 it, and "tiny-moe" (experts in layers 1 and 3): no file, no torch.
 
@@ -33,11 +33,13 @@ from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from hpcinfer.comm.group import Groups
 from hpcinfer.config import OffloadSection, load_config
 from hpcinfer.errors import ConfigError
-from hpcinfer.generate.engine import GenerationParams, StepTimes, generate_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.schedules.pipeline import generate_batch
 from hpcinfer.parallel.micro_batches import micro_batches
-from hpcinfer.job import _offloaded_batch
+from hpcinfer.generate.runner import Runner
+from hpcinfer.generate.schedules import run_block
 from hpcinfer.model.transformer import Decoder
-from hpcinfer.offload import zigzag
+from hpcinfer.generate.schedules import zigzag
 from hpcinfer.offload.budget import check_budgets, plan_bytes
 from hpcinfer.offload.tiers import WeightTiers, layer_tensors, parts_of, place_layers
 from hpcinfer.parallel.stages import partition_layers
@@ -73,7 +75,7 @@ def generate(model: Decoder, prompts: list, off: OffloadSection | None = None, p
     """Generation as job.generate_share runs one batch: offloaded (row or zig-zag) when [offload] is active."""
     times = StepTimes()
     if off is not None and off.active:
-        out = _offloaded_batch(model, prompts, list(range(len(prompts))), params, times, off)
+        out = run_block(Runner(model, params), prompts, list(range(len(prompts))), times, ScheduleParams(), off)
     else:
         out = generate_batch(model, prompts, list(range(len(prompts))), params, times)
     if model.weights is not None:

@@ -28,8 +28,9 @@ from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from hpcinfer.comm.group import Groups
 from hpcinfer.config import OffloadSection, load_config
 from hpcinfer.errors import ConfigError
-from hpcinfer.generate.engine import GenerationParams, StepTimes
-from hpcinfer.job import _offloaded_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.runner import Runner
+from hpcinfer.generate.schedules import run_block
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.offload.budget import check_budgets, plan_bytes
 from hpcinfer.offload.cost_model import CostModel, ModelSizes
@@ -70,7 +71,7 @@ def build(src: PresetSource, off: OffloadSection, mode: str, groups: Groups | No
 
 def generate(model: Decoder, prompts: list, off: OffloadSection):
     times = StepTimes()
-    out = _offloaded_batch(model, prompts, list(range(len(prompts))), GREEDY, times, off)
+    out = run_block(Runner(model, GREEDY), prompts, list(range(len(prompts))), times, ScheduleParams(), off)
     model.weights.close()
     return out, times
 
@@ -121,7 +122,7 @@ def test_zigzag_gives_the_row_schedules_tokens_with_a_quantized_cache(prompts, r
 def test_the_row_reference_is_the_quantized_run_without_offload(prompts, row_reference):
     """The reference is itself the int4 cache's answer: generation without [offload] (tests/test_kv_quant.py's
     path) gives the same tokens."""
-    from hpcinfer.generate.engine import generate_batch
+    from hpcinfer.generate.schedules.pipeline import generate_batch
 
     model = Decoder(NumpyOps(), Groups(), source().arch, "float32")
     model.load(source())

@@ -21,8 +21,10 @@ from hpcinfer.checkpoint.presets import PRESETS, PresetSource
 from hpcinfer.comm.group import Groups
 from hpcinfer.comm.mesh import build_mesh
 from hpcinfer.config import OffloadSection
-from hpcinfer.generate.engine import GenerationParams, StepTimes, generate_batch
-from hpcinfer.job import _offloaded_batch
+from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
+from hpcinfer.generate.schedules.pipeline import generate_batch
+from hpcinfer.generate.runner import Runner
+from hpcinfer.generate.schedules import run_block
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.offload import partition
 from hpcinfer.runtime import _weight_tiers
@@ -65,7 +67,7 @@ def work_of(rank: int) -> tuple[list, GenerationParams]:
 def generate(model, prompts, params, off=None):
     times = StepTimes()
     if off is not None:
-        out = _offloaded_batch(model, prompts, list(range(len(prompts))), params, times, off)
+        out = run_block(Runner(model, params), prompts, list(range(len(prompts))), times, ScheduleParams(), off)
         model.weights.close()
     else:
         out = generate_batch(model, prompts, list(range(len(prompts))), params, times)

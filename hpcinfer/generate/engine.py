@@ -1,6 +1,6 @@
-"""Generation of one batch: what is asked (GenerationParams, ScheduleParams), what each sequence holds, and what
-was measured. The schedule itself (prompt and generation micro-batches through pipeline stages; one stage is the
-plain case) lives in generate/pipeline.py.
+"""The data of generation: what is asked (GenerationParams, ScheduleParams), what each sequence holds (Sequence,
+record_token), and what was measured (StepTimes). The step runner is generate/runner.py, the schedules
+generate/schedules/.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .graphs import RunGraphs
 from .kv_cache import KVOffload
 from .sampling import SamplingParams
 
@@ -28,9 +27,6 @@ class ScheduleParams:
     gen_micro_batches: int = 1       # micro-batches of the token phase (the batch is re-grouped in between)
     kv_offload: KVOffload | None = None
     cuda_graphs: bool = False        # decode steps through CUDA graphs on the cupy backend (generate/graphs.py)
-    # not a setting: the KV cache and decode graphs kept across the batches run with these params (one per run);
-    # made empty here, filled by the first batch with cuda_graphs on, freed by run_graphs.close() (or with it)
-    run_graphs: RunGraphs = field(default_factory=RunGraphs, compare=False, repr=False)
 
 
 @dataclass
@@ -80,15 +76,3 @@ class StepTimes:
     graph_captures: int = 0      # [runtime] cuda_graphs: decode graphs captured (once per run and key)
     graph_replays: int = 0       # decode steps run from a captured graph
     graph_eager_steps: int = 0   # decode steps of keys a graph cannot capture (cuBLAS), run eagerly instead
-
-
-def generate_batch(model, prompts: list, indices: list, params: GenerationParams, times: StepTimes,
-                   schedule: ScheduleParams = ScheduleParams(), link=None, prompt_logits: dict | None = None,
-                   lockstep=None, batch_size: int | None = None) -> list | None:
-    """Run prompts (lists of token ids) to completion. Returns [(generated ids, finish_reason)] in prompt order on
-    the last pipeline stage, None on the others. `link` (comm.pipeline.StageLink) is needed when pp > 1. If
-    `prompt_logits` is a dict, the last stage also stores there each prompt's last-position logits [V], by index
-    (for checking layouts against each other). `lockstep` and `batch_size`: see pipeline.run_batch."""
-    from .pipeline import run_batch
-
-    return run_batch(model, prompts, indices, params, times, schedule, link, prompt_logits, lockstep, batch_size)

@@ -8,7 +8,7 @@ before it) is the graph's static buffer: the schedule copies it to the host for 
 stage on the same stream, before the next replay can overwrite it.
 
 The graphs hold the addresses of the KV cache they captured, so they live as long as that cache: `RunGraphs`
-(one per run and stage, held by ScheduleParams.run_graphs) keeps one cache and its graphs across the batches of a
+(one per run and stage, held by the step runner, generate/runner.Runner.graphs) keeps one cache and its graphs across the batches of a
 run, zeroing the cache in place between batches, so that a run captures each (micro-batch size, KV bucket) once,
 not once per batch; a batch the cache cannot hold (more sequences, longer ones) replaces both. With a KV offload
 threshold a batch keeps its own cache and graphs, as before. What a captured step cannot hold is refused when the
@@ -27,21 +27,15 @@ log = logging.getLogger("hpcinfer")
 SMALLEST_BUCKET = 64             # positions a captured decode step reads at least (cupy_graphs.kv_bucket)
 
 
-def stage_step(model, cache, inputs: dict, step):
-    """This stage's share of one step, eagerly or under capture: inputs {"tokens": ids [T]} on the first stage,
-    {"x": activations [T, D]} on the others -> logits [S, V] on the last stage, else activations [T, D]."""
-    x = model.embed_tokens(inputs["tokens"], step) if "tokens" in inputs else model.ops.asarray(inputs["x"])
-    x = model.run_layers(x, step, cache)
-    return model.logits(x, step) if model.stage.is_last else x
-
-
 class DecodeGraphs:
-    """The captured decode steps over one KV cache on one stage, keyed by (sequences, KV bucket)."""
+    """The captured decode steps over one KV cache on one stage, keyed by (sequences, KV bucket). `forward(cache,
+    inputs, step)` computes the stage's share of a step (generate/runner.Runner.forward), eagerly or under
+    capture."""
 
-    def __init__(self, model, cache, kept: bool = False):
+    def __init__(self, model, cache, forward, kept: bool = False):
         from ..backend.cupy_graphs import DecodeGraph
 
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.forward = model, cache, forward
         self.graph = DecodeGraph(model.ops, SMALLEST_BUCKET)
         self.kept = kept                                  # True: RunGraphs keeps it across batches (closes it)
         self.steps = 0                                    # decode steps run through here (replayed or eager)
@@ -52,7 +46,7 @@ class DecodeGraphs:
 
     def __call__(self, step, inputs: dict):
         self.steps += 1
-        return self.graph(lambda static, device_step: stage_step(self.model, self.cache, static, device_step),
+        return self.graph(lambda static, device_step: self.forward(self.cache, static, device_step),
                           inputs, step.slots, step.starts)
 
     @property
@@ -91,7 +85,8 @@ class RunGraphs:
     smallest KV bucket (capped at the model's positions) so that prompts of nearby lengths share it. Device KV
     memory never exceeds that of the largest batch's own cache (+ the rounding). `close()` ends the run."""
 
-    def __init__(self):
+    def __init__(self, forward):
+        self.forward = forward                            # Runner.forward: what the graphs capture
         self.graphs: DecodeGraphs | None = None
 
     def batch(self, model, slots: int, max_len: int, make_cache) -> DecodeGraphs:
@@ -101,7 +96,7 @@ class RunGraphs:
             return self.graphs
         self.close()                                                  # free the old cache before the new one
         length = max(max_len, min(-(-max_len // SMALLEST_BUCKET) * SMALLEST_BUCKET, model.arch.max_positions))
-        self.graphs = DecodeGraphs(model, make_cache(slots, length), kept=True)
+        self.graphs = DecodeGraphs(model, make_cache(slots, length), self.forward, kept=True)
         return self.graphs
 
     def close(self) -> None:
@@ -111,16 +106,16 @@ class RunGraphs:
             self.graphs = None
 
 
-def batch_cache(model, schedule, slots: int, max_len: int, make_cache) -> tuple:
+def batch_cache(model, schedule, run_graphs: RunGraphs, slots: int, max_len: int, make_cache) -> tuple:
     """(KV cache, DecodeGraphs or None) for a batch of `slots` sequences up to `max_len` positions: the run's kept
-    ones when `[runtime] cuda_graphs` is on and the backend is cupy; a batch's own cache and graphs (closed with
+    ones (`run_graphs`, the Runner's) when `[runtime] cuda_graphs` is on and the backend is cupy; a batch's own cache and graphs (closed with
     it) under a KV offload threshold; a fresh cache and None (every step eager) otherwise."""
     if not schedule.cuda_graphs or model.ops.name != "cupy":
         return make_cache(slots, max_len), None
     if schedule.kv_offload is not None:
         cache = make_cache(slots, max_len)
-        return cache, DecodeGraphs(model, cache)
-    graphs = schedule.run_graphs.batch(model, slots, max_len, make_cache)
+        return cache, DecodeGraphs(model, cache, run_graphs.forward)
+    graphs = run_graphs.batch(model, slots, max_len, make_cache)
     return graphs.cache, graphs
 
 

@@ -1,4 +1,5 @@
-"""The pipeline executor: one batch through the stages, in the order of generate/schedule.py.
+"""DeepSpeed Inference's pipeline schedule: one batch through the stages, in the order of generate/schedule.py,
+as a loop over the step runner (generate/runner.py).
 
 Stage 0 feeds every prompt micro-batch, then loops over a FIFO of generation micro-batches: it takes the oldest
 one in flight, waits for its sampled tokens from the last stage, and sends it on for its next token while it has
@@ -14,25 +15,40 @@ from collections import deque
 
 import numpy as np
 
-from ..backend.ops import StepLayout
-from ..comm.mappings import broadcast_from_tp_root
-from .engine import GenerationParams, ScheduleParams, Sequence, StepTimes, record_token
-from .graphs import batch_cache, stage_step
-from .kv_cache import KVCache
-from .sampling import sample, sequence_rng
-from ..parallel.micro_batches import micro_batches
-from .schedule import gen_ready_order
+from ...backend.ops import StepLayout
+from ...parallel.micro_batches import micro_batches
+from ..engine import GenerationParams, ScheduleParams, StepTimes
+from ..graphs import batch_cache
+from ..kv_cache import KVCache
+from ..runner import Runner
+from ..schedule import gen_ready_order
 
 
-def run_batch(model, prompts, indices, params: GenerationParams, times: StepTimes, schedule: ScheduleParams,
-              link, prompt_logits: dict | None = None, lockstep=None,
+def generate_batch(model, prompts: list, indices: list, params: GenerationParams, times: StepTimes,
+                   schedule: ScheduleParams = ScheduleParams(), link=None, prompt_logits: dict | None = None,
+                   lockstep=None, batch_size: int | None = None) -> list | None:
+    """One batch on a runner of its own (api.py, benchmarks, tests): run_batch, then the runner's kept cache and
+    graphs are freed."""
+    runner = Runner(model, params)
+    try:
+        return run_batch(runner, prompts, indices, times, schedule, link, prompt_logits, lockstep, batch_size)
+    finally:
+        runner.close()
+
+
+def run_batch(runner: Runner, prompts: list, indices: list, times: StepTimes, schedule: ScheduleParams,
+              link=None, prompt_logits: dict | None = None, lockstep=None,
               batch_size: int | None = None) -> list | None:
-    """`lockstep`: the dp group, when data-parallel replicas must step together because their MoE layers
+    """Run prompts (lists of token ids) to completion. Returns [(generated ids, finish_reason)] in prompt order on
+    the last pipeline stage, None on the others. `link` (comm.pipeline.StageLink) is needed when pp > 1. If
+    `prompt_logits` is a dict, the last stage also stores there each prompt's last-position logits [V], by index
+    (for checking layouts against each other).
+
+    `lockstep`: the dp group, when data-parallel replicas must step together because their MoE layers
     exchange tokens; each then holds its slice of one batch of `batch_size` sequences (possibly none), and every
     replica runs the same micro-batch steps, with no tokens where its slice has none."""
-    arch, stage = model.arch, model.stage
-    seqs = [Sequence(i, list(p), min(len(p) + params.max_new_tokens, arch.max_positions),
-                     sequence_rng(params.seed, i)) for i, p in zip(indices, prompts)]
+    model, arch, stage = runner.model, runner.model.arch, runner.model.stage
+    seqs = runner.sequences(prompts, indices)
     exact = lockstep is not None
     cap = batch_size or len(seqs)
     prompt_groups = micro_batches(len(seqs), min(schedule.prompt_micro_batches, cap), exact)
@@ -44,19 +60,20 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
                        schedule.kv_offload, stage.first_layer, largest_micro_batch, kv_format=model.kv_format)
 
     # with [runtime] cuda_graphs on cupy: the run's cache and graphs, kept across batches; else graphs is None
-    cache, graphs = batch_cache(model, schedule, len(seqs), max((s.capacity for s in seqs), default=1), make_cache)
+    cache, graphs = batch_cache(model, schedule, runner.graphs, len(seqs), max((s.capacity for s in seqs), default=1),
+                                make_cache)
     counted = (graphs.captures, graphs.replays, graphs.eager_steps) if graphs is not None else (0, 0, 0)
-    runner = _StageRunner(model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits,
-                          lockstep, graphs)
+    stage_runner = _StageRunner(runner, link, cache, seqs, times, prompt_groups, gen_groups, prompt_logits,
+                                lockstep, graphs)
     start = time.perf_counter()
     if stage.is_first:
-        runner.drive()
+        stage_runner.drive()
     else:
-        runner.serve()
+        stage_runner.serve()
     if link is not None:
         link.flush()
-    times.gen_phase_s += time.perf_counter() - start - runner.prompt_phase_s
-    times.prefill_s += runner.prompt_phase_s
+    times.gen_phase_s += time.perf_counter() - start - stage_runner.prompt_phase_s
+    times.prefill_s += stage_runner.prompt_phase_s
     times.kv_bytes_to_host += cache.bytes_to_host
     times.kv_bytes_to_device += cache.bytes_to_device
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.peak_bytes)
@@ -66,23 +83,18 @@ def run_batch(model, prompts, indices, params: GenerationParams, times: StepTime
         times.graph_eager_steps += graphs.eager_steps - counted[2]
         if not graphs.kept:
             graphs.close()
-    if stage.is_last:
-        times.prompt_tokens += sum(len(s.prompt) for s in seqs)
-        times.generated_tokens += sum(len(s.generated) for s in seqs)
-        return [(s.generated, s.finish_reason) for s in seqs]
-    return None
+    return runner.account(seqs, times) if stage.is_last else None
 
 
 class _StageRunner:
-    def __init__(self, model, link, cache, seqs, params, times, prompt_groups, gen_groups, prompt_logits=None,
+    def __init__(self, runner: Runner, link, cache, seqs, times, prompt_groups, gen_groups, prompt_logits=None,
                  lockstep=None, graphs=None):
-        self.model, self.link, self.cache, self.seqs = model, link, cache, seqs
+        self.runner, self.model, self.link, self.cache, self.seqs = runner, runner.model, link, cache, seqs
         self.graphs = graphs                                # generate/graphs.DecodeGraphs, or None
         self.prompt_logits = prompt_logits                  # optional {prompt index: logits [V]} (last stage)
-        self.params, self.times = params, times
+        self.times = times
         self.prompt_groups, self.gen_groups = prompt_groups, gen_groups
-        self.stage = model.stage
-        self.eos = set() if params.ignore_eos else set(model.arch.eos_token_ids)
+        self.stage = runner.model.stage
         self.start = time.perf_counter()
         self.prompt_phase_s = 0.0
         self.returned: deque = deque()                    # one stage: the return path is local
@@ -97,9 +109,9 @@ class _StageRunner:
         """Feed the prompt micro-batches, then the generation micro-batches from the FIFO until all have stopped."""
         for p, group in enumerate(self.prompt_groups):
             ids = list(group)
-            tokens = np.array([t for i in ids for t in self.seqs[i].prompt], dtype=np.int64)
-            self._step({"phase": "prompt", "mb": p, "seqs": ids, "starts": [0] * len(ids),
-                        "counts": [len(self.seqs[i].prompt) for i in ids]}, {"tokens": tokens})
+            starts, counts, tokens = Runner.prompt_inputs([self.seqs[i] for i in ids])
+            self._step({"phase": "prompt", "mb": p, "seqs": ids, "starts": starts, "counts": counts},
+                       {"tokens": tokens})
         if self.stage.is_last:
             self.prompt_phase_s = time.perf_counter() - self.start
         in_flight = deque(range(len(self.gen_groups)))      # answered by the last stage in this order
@@ -115,9 +127,8 @@ class _StageRunner:
                 continue
             running = [i for i in self.gen_groups[g] if self.seqs[i].finish_reason is None]
             sent_at[g] = time.perf_counter()
-            tokens = np.array([self.seqs[i].generated[-1] for i in running], dtype=np.int64)
-            self._step({"phase": "gen", "mb": g, "seqs": running,
-                        "starts": [self.seqs[i].length - 1 for i in running], "counts": [1] * len(running)},
+            starts, counts, tokens = Runner.decode_inputs([self.seqs[i] for i in running])
+            self._step({"phase": "gen", "mb": g, "seqs": running, "starts": starts, "counts": counts},
                        {"tokens": tokens})
             in_flight.append(g)
         if not self.stage.is_last:
@@ -153,10 +164,17 @@ class _StageRunner:
 
     # ---- every stage -----------------------------------------------------------------------------------------
     def _step(self, header: dict, inputs: dict) -> None:
-        """Compute one micro-batch step from `inputs` ({"tokens": ids [T]} on stage 0, {"x": [T, D]} after it),
-        then sample (last stage) or pass the activations on."""
+        """One micro-batch step from `inputs` ({"tokens": ids [T]} on stage 0, {"x": [T, D]} after it): this stage's
+        share (Runner.step; a decode step replays its CUDA graph when [runtime] cuda_graphs is on), then sample
+        (last stage) or pass the activations on."""
         step = StepLayout.build(header["seqs"], header["starts"], header["counts"])
-        out = self._compute(step, inputs)
+        t0 = time.perf_counter()
+        self.cache.prepare(step.slots)
+        out = self.runner.step(self.cache, step, inputs, self.graphs)
+        if self.stage.is_last:
+            out = self.model.ops.to_host(out)                                       # logits [S, V]
+        self.times.busy_s += time.perf_counter() - t0
+        self.cache.peak_bytes = max(self.cache.peak_bytes, self.cache.nbytes)
         if self.stage.is_last:
             self._finish(header, out)
         else:
@@ -164,29 +182,13 @@ class _StageRunner:
             if header["phase"] == "prompt" and header["mb"] == len(self.prompt_groups) - 1:
                 self.prompt_phase_s = time.perf_counter() - self.start
 
-    def _compute(self, step: StepLayout, inputs: dict):
-        """This stage's share of one step: [embedding], its layers, [final norm + LM head -> logits [S, V]]
-        (graphs.stage_step); a decode step replays its CUDA graph when [runtime] cuda_graphs is on."""
-        t0 = time.perf_counter()
-        self.cache.prepare(step.slots)
-        graphed = self.graphs is not None and self.graphs.applies(step)
-        out = self.graphs(step, inputs) if graphed else stage_step(self.model, self.cache, inputs, step)
-        if self.stage.is_last:
-            out = self.model.ops.to_host(out)                                       # logits [S, V]
-        self.times.busy_s += time.perf_counter() - t0
-        self.cache.peak_bytes = max(self.cache.peak_bytes, self.cache.nbytes)
-        return out
-
     # ---- last stage ------------------------------------------------------------------------------------------
     def _finish(self, header: dict, logits: np.ndarray) -> None:
         """Sample one token per sequence (the same on every tp rank), record it, and return tokens to stage 0."""
         ids = header["seqs"]
         if header["phase"] == "prompt" and self.prompt_logits is not None:
             self.prompt_logits.update({self.seqs[i].index: row.copy() for i, row in zip(ids, logits)})
-        chosen = sample(logits, self.params.sampling, [self.seqs[i].rng for i in ids])          # [S]
-        chosen = broadcast_from_tp_root(chosen, self.model.tp)
-        for i, token in zip(ids, chosen.tolist()):
-            self._record(self.seqs[i], token)
+        self.runner.sample([self.seqs[i] for i in ids], logits)
         if header["phase"] == "gen":
             self._return_tokens(header["mb"], ids, prompt=False)
             return
@@ -195,9 +197,6 @@ class _StageRunner:
                 self._return_tokens(g, list(self.gen_groups[g]), prompt=True)
         if header["mb"] == len(self.prompt_groups) - 1:
             self.prompt_phase_s = time.perf_counter() - self.start
-
-    def _record(self, seq: Sequence, token: int) -> None:
-        record_token(seq, token, self.eos, self.params.max_new_tokens)
 
     def _return_tokens(self, g: int, ids: list, prompt: bool) -> None:
         alive = sum(1 for i in self.gen_groups[g] if self.seqs[i].finish_reason is None)

@@ -1,0 +1,92 @@
+"""The step runner: one per rank, the role nano-vllm's ModelRunner plays (ARCHITECTURE.md, "Runner").
+
+It holds the model (with its weight source: resident, or streamed by offload/tiers.WeightTiers), the decode graphs
+and KV cache kept across the batches of a run (`graphs`, generate/graphs.RunGraphs), and what every schedule
+does the same way:
+  - `sequences`: the Sequence records of a batch's prompts (each seeded by its prompt's index);
+  - `prompt_inputs` / `decode_inputs`: a group of sequences as one packed step (starts, counts, token ids);
+  - `step`: this stage's share of one step (embedding, its layers, the LM head on the last stage), eagerly or
+    from a CUDA graph;
+  - `sample`: one token per sequence from the logits, the same on every tp rank, recorded in the sequences;
+  - `account`: the tokens of a finished batch in the run's StepTimes.
+The schedules (generate/schedules/) are loops over these. Shape legend: T=tokens of a step, S=sequences, V=vocab.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm.mappings import broadcast_from_tp_root
+from .engine import GenerationParams, Sequence, StepTimes, record_token
+from .graphs import RunGraphs
+from .sampling import sample, sequence_rng
+
+
+class Runner:
+    """One rank's model and the run-long state its steps share. `on_sample()` (optional) runs when logits are
+    about to be sampled on the last stage (the fault injector's sampling point, faults.py)."""
+
+    def __init__(self, model, params: GenerationParams, on_sample=None):
+        self.model, self.params = model, params
+        self.eos = set() if params.ignore_eos else set(model.arch.eos_token_ids)
+        self.graphs = RunGraphs(self.forward)  # [runtime] cuda_graphs: the run's kept KV cache and decode graphs
+        self.on_sample = on_sample
+
+    # ---- sequences ---------------------------------------------------------------------------------------------
+    def sequences(self, prompts: list, indices: list) -> list[Sequence]:
+        """A Sequence per prompt: its capacity bounded by the model's positions, its generator by its index."""
+        arch, p = self.model.arch, self.params
+        return [Sequence(i, list(prompt), min(len(prompt) + p.max_new_tokens, arch.max_positions),
+                         sequence_rng(p.seed, i)) for i, prompt in zip(indices, prompts)]
+
+    @staticmethod
+    def prompt_inputs(seqs: list) -> tuple[list, list, np.ndarray]:
+        """(starts, counts, token ids [T]) of the prompt step of `seqs`."""
+        tokens = np.array([t for s in seqs for t in s.prompt], dtype=np.int64)
+        return [0] * len(seqs), [len(s.prompt) for s in seqs], tokens
+
+    @staticmethod
+    def decode_inputs(seqs: list) -> tuple[list, list, np.ndarray]:
+        """(starts, counts, token ids [S]) of the next decode step of `seqs`: each feeds its last token."""
+        tokens = np.array([s.generated[-1] for s in seqs], dtype=np.int64)
+        return [s.length - 1 for s in seqs], [1] * len(seqs), tokens
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def step(self, cache, layout, inputs: dict, graphs=None):
+        """This stage's share of one step over `cache`: inputs {"tokens": ids [T]} on the first stage, {"x": [T, D]}
+        after it -> logits [S, V] on the last stage, else activations [T, D] (device arrays). A decode step replays
+        its CUDA graph when `graphs` (generate/graphs.DecodeGraphs) applies to it."""
+        if graphs is not None and graphs.applies(layout):
+            return graphs(layout, inputs)
+        return self.forward(cache, inputs, layout)
+
+    def forward(self, cache, inputs: dict, layout):
+        """The stage's share of one step, eagerly or under capture (what a decode graph records): [embedding],
+        its layers, [final norm + LM head]."""
+        model = self.model
+        x = model.embed_tokens(inputs["tokens"], layout) if "tokens" in inputs else model.ops.asarray(inputs["x"])
+        x = model.run_layers(x, layout, cache)
+        return model.logits(x, layout) if model.stage.is_last else x
+
+    def sample(self, seqs: list, logits) -> list[int]:
+        """One token per sequence from logits [S, V] (host or device), broadcast from tp rank 0 so that every tp
+        rank holds the same, recorded in `seqs` (EOS, max_new_tokens, positions: finish_reason)."""
+        logits = self.model.ops.to_host(logits)
+        if self.on_sample is not None:
+            self.on_sample()
+        chosen = sample(logits, self.params.sampling, [s.rng for s in seqs])
+        chosen = broadcast_from_tp_root(chosen, self.model.tp).tolist()
+        for seq, token in zip(seqs, chosen):
+            record_token(seq, token, self.eos, self.params.max_new_tokens)
+        return chosen
+
+    @staticmethod
+    def account(seqs: list, times: StepTimes) -> list:
+        """Count a finished batch's tokens; [(generated ids, finish_reason)] in its order."""
+        times.prompt_tokens += sum(len(s.prompt) for s in seqs)
+        times.generated_tokens += sum(len(s.generated) for s in seqs)
+        return [(s.generated, s.finish_reason) for s in seqs]
+
+    def close(self) -> None:
+        """The run is done: free the kept KV cache and graphs."""
+        self.graphs.close()
