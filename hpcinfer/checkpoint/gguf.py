@@ -17,12 +17,13 @@ layout and written, so memory stays at about one tensor. Three things differ fro
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ..arch import ModelArch, tensor_shapes
 from ..errors import CheckpointError
+from ..quant.formats import from_gguf_q4_1, from_gguf_q8_0, slice_rows
+from ..quant.storage import is_quantizable
+from .gguf_file import GgufFile
 from .gguf_tokenizer import read_tokenizer
 from .writer import CheckpointWriter
 
@@ -70,44 +71,6 @@ def convert_gguf(src: str, out: str, dtype: str = "float32", quantize: str = "no
         if tokenizer is not None:
             writer.set_tokenizer(**tokenizer)
     return arch
-
-
-class GgufFile:
-    """The open reader plus the path, so that every error can name the file."""
-
-    def __init__(self, path: str):
-        self.path = path
-        if not os.path.exists(path):
-            raise CheckpointError(f"GGUF file '{path}' does not exist")
-        if not os.path.isfile(path):
-            raise CheckpointError(f"GGUF file '{path}' is not a file")
-        try:
-            with open(path, "rb") as f:
-                magic = f.read(4)
-        except OSError as exc:
-            raise CheckpointError(f"GGUF file '{path}' cannot be read ({exc.strerror})") from None
-        if magic != b"GGUF":
-            raise CheckpointError(f"'{path}' is not a GGUF file (it starts with {magic!r}; a GGUF file starts "
-                                  f"with b'GGUF')")
-        try:
-            import gguf
-        except ImportError:
-            raise CheckpointError("converting a GGUF file needs the `gguf` package: pip install gguf") from None
-        self.gguf = gguf
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as exc:  # the reader raises ValueError, struct/numpy errors on a damaged file
-            raise CheckpointError(f"GGUF file '{path}' is damaged or of an unsupported version ({exc})") from None
-
-    def get(self, key: str, default=None):
-        field = self.reader.get_field(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str):
-        value = self.get(key)
-        if value is None:
-            raise CheckpointError(f"GGUF file '{self.path}' lacks the metadata key '{key}'")
-        return value
 
 
 def _float32_value(x) -> float:
@@ -235,8 +198,6 @@ def _dequantize(f: GgufFile, tensor, probe: bool = False) -> np.ndarray:
 def _kept_blocks(f: GgufFile, name: str, tensor, arch: ModelArch):
     """A Q4_1 / Q8_0 matrix as a QuantizedTensor in compute layout [out, in] (GGUF's numpy order already is), its
     Q/K rows un-permuted like the float path; None for other types and tensors (they are dequantized)."""
-    from ..quant.formats import from_gguf_q4_1, from_gguf_q8_0, slice_rows
-    from ..quant.storage import is_quantizable
 
     kind = tensor.tensor_type.name
     if kind not in ("Q4_1", "Q8_0") or not is_quantizable(name):

@@ -3,12 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..errors import CheckpointError
-
-if TYPE_CHECKING:
-    from .gguf import GgufFile
+from .gguf_file import GgufFile
 
 SUPPORTED_TOKENIZERS = ("gpt2",)  # tokenizer.ggml.model: byte-level BPE
 
