@@ -15,6 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .watchdog import Watchdog
+
 KINDS = ("flat", "hierarchical")
 
 
@@ -129,8 +131,6 @@ def _sub_watchdog(group, comm, members: list[int], what: str):
     parent = getattr(group, "watch", None)
     if parent is None:
         return None
-    from .watchdog import Watchdog
-
     return Watchdog(comm, f"{group.name} {what}", parent.timeout, [parent.world_ranks[m] for m in members],
                     parent.arrivals)
 

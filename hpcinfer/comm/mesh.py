@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .group import MPIGroup
+from .watchdog import Arrivals
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,6 @@ def shared_memory_ranks(comm) -> int:
 def build_mesh(comm, tp: int, pp: int, ranks_per_node: int, comm_timeout: float = 600.0) -> Mesh:
     """Split `comm` (the world) into the tp, dp and pp groups of this rank. comm_timeout: each group's watchdog
     deadline in seconds (comm/watchdog.py); the groups share one record of arrivals."""
-    from .watchdog import Arrivals
-
     shape = MeshShape.for_world(comm.Get_size(), tp, pp)
     shape.check_nodes(ranks_per_node)
     pp_i, dp_i, tp_i = shape.coords(comm.Get_rank())

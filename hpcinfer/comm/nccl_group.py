@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 
 from ..errors import ConfigError
-from .all_to_all import block_starts, check_counts
+from .all_to_all import HierarchicalAllToAll, block_starts, check_counts, make_all_to_all
 
 COMMS = ("auto", "nccl", "mpi")
 
@@ -227,8 +227,6 @@ class NcclGroup:
         """The all-to-all(v) over this group: "flat" is one NCCL group of direct sends and receives (P - 1
         messages); "hierarchical" is comm/all_to_all.HierarchicalAllToAll with each hop over an NCCL communicator
         of its own (the node's G ranks, then the M ranks of one local index: (G - 1) + (M - 1) messages)."""
-        from .all_to_all import HierarchicalAllToAll
-
         if kind == "flat" or self.size == 1 or ranks_per_node in (1, self.size):
             return NcclAllToAll(self)
         return HierarchicalAllToAll(self, ranks_per_node, make_hop=lambda comm, _members, what: NcclHop(
@@ -414,8 +412,6 @@ class StagedMPIGroup:
         return self.mpi.recv_array(shape, dtype, source, tag)
 
     def make_all_to_all(self, kind: str, ranks_per_node: int):
-        from .all_to_all import make_all_to_all
-
         return StagedAllToAll(self.cp, make_all_to_all(kind, self.mpi, ranks_per_node))
 
     def __repr__(self):
