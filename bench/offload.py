@@ -131,7 +131,7 @@ def run_setup(setup: Setup, prompts: list, args, work: Path) -> dict:
     t0 = time.perf_counter()
     with open_checkpoint(args.checkpoint) as ckpt:
         arch = ckpt.arch
-        configure(ckpt, config.model.quantize, config.model.quantize_group)     # as job._check_quantization
+        configure(ckpt, config.model.quantize, config.model.quantize_group)     # as preflight.check_quantization
         quantized = quant_of(ckpt)
         stages = partition_layers(arch, 1)
         plan = plan_bytes(arch, config, stages[0], lengths, quantized) if off.active else None

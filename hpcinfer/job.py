@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend.ops import make_ops
-from .checkpoint.format import open_checkpoint
 from .comm.mesh import MeshShape
+from .preflight import check_quantization, check_writable, open_model_source
 from .errors import ConfigError
 from .generate.commit import ResultWriter, generation_fingerprint
 from .generate.engine import GenerationParams, ScheduleParams, StepTimes
@@ -63,7 +63,7 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart
         if ckpt.arch.is_encoder:                          # BERT-family checkpoints embed, they do not generate
             raise ConfigError(f"{config.path}: [generate] needs a decoder checkpoint; {config.model.checkpoint} is "
                               f"a {ckpt.arch.family} encoder: use an [embed] job (docs/embed.md)")
-        _check_quantization(config, ckpt, ops)
+        check_quantization(config, ckpt, ops)
         par = config.parallel
         check_tensor_parallel(ckpt.arch, par.tp, config.path)
         stages = partition_layers(ckpt.arch, par.pp, config.path)
@@ -89,7 +89,7 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart
             resolve_profile(config.offload.profile)
         if config.offload.active and config.offload.disk_dir and config.offload.weights_gpu + \
                 config.offload.weights_cpu < 100:           # every rank writes its layers there
-            _check_writable(os.path.join(config.offload.disk_dir, "rank"), "[offload] disk_dir")
+            check_writable(os.path.join(config.offload.disk_dir, "rank"), "[offload] disk_dir")
         writer = _open_results(config, prompts, tokenizer, restart) if rank == 0 else None
     except Exception:
         ckpt.close()
@@ -101,9 +101,9 @@ def _open_results(config, prompts, tokenizer, restart: bool):
     """Rank 0: the output and metrics are writable files distinct from the inputs, and an earlier run's output
     is resumed when its fingerprint matches (a changed job is refused unless `restart`)."""
     g = config.generate
-    _check_writable(g.output, "[generate] output")
+    check_writable(g.output, "[generate] output")
     if g.metrics:
-        _check_writable(g.metrics, "[generate] metrics")
+        check_writable(g.metrics, "[generate] metrics")
     paths = {"[generate] prompts": g.prompts, "[model] checkpoint": config.model.checkpoint,
              "[generate] metrics": g.metrics, "[generate] output": g.output,
              "the output's resume state": g.output + SIDECAR_SUFFIX}
@@ -119,15 +119,6 @@ def _open_results(config, prompts, tokenizer, restart: bool):
     return ResultWriter(g.output, prompts, tokenizer, generation_fingerprint(config), restart)
 
 
-def _check_quantization(config, ckpt, ops) -> None:
-    """`[model] quantize` against the checkpoint's own format (quantized weights run on both backends: NumpyOps
-    dequantizes tiles, CupyOps dequantizes in registers, backend/cupy_quant.py)."""
-    from .quant.storage import configure
-
-    configure(ckpt, config.model.quantize, config.model.quantize_group)
-    kv_format_of(config, ckpt.arch)          # a quantized KV cache and top-k run on both backends (cupy_kv.py)
-
-
 def _fetch_share(config, world_size: int, ranks_per_node: int) -> int:
     """Replicas of a partitioned fetch group ([offload] partitioned_fetch): the dp ranks of one node that hold the
     same tp shard (runtime._fetch_group); 1 without it."""
@@ -135,15 +126,6 @@ def _fetch_share(config, world_size: int, ranks_per_node: int) -> int:
     if not config.offload.partitioned_fetch:
         return 1
     return fetch_share(world_size // (par.tp * par.pp), par.tp, ranks_per_node)
-
-
-def open_model_source(model_section):
-    """The checkpoint file, or a preset's random weights (the same reading interface, made on each rank)."""
-    if model_section.preset is not None:
-        from .checkpoint.presets import open_preset
-
-        return open_preset(model_section.preset)
-    return open_checkpoint(model_section.checkpoint)
 
 
 def schedule_params(config, local_rank: int = 0) -> ScheduleParams:
@@ -175,20 +157,6 @@ def _check_kv_offload(config, arch, stages, prompts, world_size: int, ranks_per_
             plan_offload(len(stage.layers), stage.first_layer, len(batch), arch.num_kv_heads // par.tp, max_len,
                          arch.head_dim, KVOffload(schedule.kv_offload.threshold_bytes, parity),
                          max(len(x) for x in groups), kv_format_of(config, arch))
-
-
-def _check_writable(path: str, key: str) -> None:
-    if os.path.isdir(path):
-        raise ConfigError(f"{key} = '{path}' is a directory; give a file path")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ConfigError(f"{key} = '{path}' exists and is not writable")
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{key} = '{path}': cannot create directory '{directory}' ({exc.strerror})") from None
-    if not os.access(directory, os.W_OK):
-        raise ConfigError(f"{key} = '{path}': directory '{directory}' is not writable")
 
 
 def generation_params(config) -> GenerationParams:

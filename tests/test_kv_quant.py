@@ -236,7 +236,7 @@ def _config(tmp_path, model="", generate="", offload=""):
 
 def test_config_keys_and_errors(tmp_path):
     from hpcinfer.checkpoint.presets import open_preset
-    from hpcinfer.job import kv_format_of
+    from hpcinfer.offload.budget import kv_format_of
 
     config = load_config(_config(tmp_path, 'kv_cache = "int4"\nkv_cache_group = 16', "attention_topk = 0.1"))
     assert (config.model.kv_cache, config.model.kv_cache_group, config.generate.attention_topk) == ("int4", 16, 0.1)
@@ -287,10 +287,10 @@ def test_cuda_backend_accepts_kv_cache_topk_and_quantized_weights(tmp_path):
     from types import SimpleNamespace
 
     from hpcinfer.checkpoint.presets import open_preset
-    from hpcinfer.job import _check_quantization
+    from hpcinfer.preflight import check_quantization
 
     cupy = SimpleNamespace(name="cupy")
     for model, generate in (('kv_cache = "int8"', ""), ("", "attention_topk = 0.25"), ('quantize = "int4"', "")):
         config = load_config(_config(tmp_path, model, generate))
-        _check_quantization(config, open_preset("tiny-dense"), cupy)
-        _check_quantization(config, open_preset("tiny-dense"), OPS)
+        check_quantization(config, open_preset("tiny-dense"), cupy)
+        check_quantization(config, open_preset("tiny-dense"), OPS)

@@ -327,7 +327,7 @@ def test_the_example_configs(tmp_path, run_cli, repo_root):
     from hpcinfer.comm.mesh import MeshShape
     from hpcinfer.config import load_config
     from hpcinfer.generate.prompts import load_prompts
-    from hpcinfer.job import open_model_source
+    from hpcinfer.preflight import open_model_source
     from hpcinfer.parallel.layout import check_experts, check_tensor_parallel
     from hpcinfer.parallel.stages import partition_layers
 

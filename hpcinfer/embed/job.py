@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..backend.ops import make_ops
 from ..errors import ConfigError
 from ..generate.resume import config_values, file_digest, file_identity, fingerprint
 from ..model.encoder import encoder_layout
 from ..parallel.layout import check_tensor_parallel
+from ..preflight import check_quantization, check_writable, open_model_source
 from .inputs import EncoderTokenizer, load_inputs
 from .pooling import l2_normalize, pool
 
@@ -40,8 +42,6 @@ class EmbedJob:
 
 def prepare_embed_job(config, world_size: int, rank: int) -> EmbedJob:
     """Everything that can be wrong, checked on every rank before any weight is read."""
-    from ..job import open_model_source
-
     e, par = config.embed, config.parallel
     ckpt = open_model_source(config.model)
     try:
@@ -66,11 +66,9 @@ def prepare_embed_job(config, world_size: int, rank: int) -> EmbedJob:
         inputs = load_inputs(e.inputs, arch, tokenizer, max_length, e.truncate)
         if rank == 0:
             _warn_truncated(e.inputs, inputs, max_length)
-            from ..job import _check_writable
-
-            _check_writable(e.output, "[embed] output")
+            check_writable(e.output, "[embed] output")
             if e.metrics:
-                _check_writable(e.metrics, "[embed] metrics")
+                check_writable(e.metrics, "[embed] metrics")
     except Exception:
         ckpt.close()
         raise
@@ -88,13 +86,10 @@ def _warn_truncated(path: str, inputs, max_length: int) -> None:
 
 def _check_model_options(config, ckpt, rank: int, world_size: int) -> None:
     """[model] quantize (int8/int4 matrices, as for decoders) and verify apply; an encoder has no KV cache."""
-    from ..backend.ops import make_ops
-    from ..job import _check_quantization
-
     if getattr(config.model, "kv_cache", "none") != "none":
         raise ConfigError(f"{config.path}: model.kv_cache = {config.model.kv_cache!r}: an encoder has no KV cache; "
                           f"remove the key for an [embed] job")
-    _check_quantization(config, ckpt, make_ops(config.runtime.backend))
+    check_quantization(config, ckpt, make_ops(config.runtime.backend))
     if config.model.verify:
         ckpt.verify(rank, world_size)
 
