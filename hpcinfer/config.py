@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from .backend.interface import BACKENDS
+from .checkpoint.presets import PRESETS
 from .comm.nccl_group import COMMS
 from .errors import ConfigError
 from .quant.formats import LOAD_MODES
@@ -25,8 +26,6 @@ def _meta(help: str, check=None, choices=None):
 
 
 def _preset_check(v):
-    from .checkpoint.presets import PRESETS
-
     return v in PRESETS, f"is not a preset; presets: {', '.join(PRESETS)}"
 
 

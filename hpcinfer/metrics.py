@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from .arch import tensor_shapes
+from .parallel.layers import weight_bytes
 
 
 def peak_rss_bytes() -> int:
@@ -52,8 +53,6 @@ def held_weight_bytes(obj, seen: set | None = None) -> int:
     parallel.layers.weight_bytes says (its quantized q, scale and min, or its float matrix), any other array
     reachable from the model (norms, biases, MoE expert stacks) its nbytes; each object once (a tied LM head is the
     embedding table)."""
-    from .parallel.layers import weight_bytes
-
     seen = set() if seen is None else seen
     if id(obj) in seen or isinstance(obj, type):                 # a class (a dtype, say) holds no weights
         return 0
