@@ -1,13 +1,33 @@
-"""Command line: `hpcinfer run | convert | inspect | profile | plan | bench` (also `python -m hpcinfer ...`)."""
+"""Command line: `hpcinfer run | convert | inspect | profile | plan | bench` (also `python -m hpcinfer ...`).
+
+The arguments and the dispatch; what each command does lives in its layer: runtime.main_run, checkpoint/convert.py,
+offload/ (the profile, the offload planner and its report), perf/ (links measured under mpiexec, the layout
+planner), bench/main.py."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+import time
 
+from .backend.ops import make_ops
+from .bench.main import main_bench
+from .checkpoint.convert import convert
+from .checkpoint.format import describe, open_checkpoint
+from .checkpoint.presets import PRESETS
 from .comm.mpi_library import load_mpi
+from .config import parse_bytes
 from .errors import ConfigError, HpcinferError
+from .offload import report as offload_report
+from .offload.planning import planned_model
+from .offload.profile import measure, resolve_profile, save_profile
+from .offload.profile_gpu import with_gpu
+from .perf.links import measure_ranks, with_link_defaults_noted, with_mpiexec_noted
+from .perf.report import plan_layouts
 from .quant.formats import LOAD_MODES
+from .runtime import main_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
-            from .runtime import main_run
-
             return main_run(args.config, args.overrides, args.restart)     # errors after MPI loads: its own
         if args.command == "convert":
             return _convert(args.source, args.output, args.dtype, args.quantize, args.group_size,
@@ -124,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return _plan(args)
         if args.command == "bench":
-            from .bench import main_bench
-
             return main_bench(args.config, args.suite, args.out, args.report, args.keep)
         return _inspect(args.checkpoint, args.verify)
     except HpcinferError as exc:
@@ -135,35 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _convert(source: str, output: str, dtype: str, quantize: str = "none", group_size: int = 64,
              keep_quantized: bool = False) -> int:
-    import os
-    import time
-
     t0 = time.perf_counter()
-    if source.endswith(".gguf"):
-        from .checkpoint.gguf import convert_gguf as convert
-    elif os.path.isdir(source):
-        from .checkpoint.hf import convert_hf as convert
-    else:
-        from .errors import CheckpointError
-
-        raise CheckpointError(f"convert source '{source}' is neither a .gguf file nor a Hugging Face model "
-                              f"folder (a directory with config.json)")
-    if keep_quantized and not source.endswith(".gguf"):
-        from .errors import CheckpointError
-
-        raise CheckpointError("--keep-quantized applies to .gguf sources only")
-    extra = {"keep_quantized": True} if keep_quantized else {}
-    arch = convert(source, output, dtype, quantize, group_size, **extra)
+    arch = convert(source, output, dtype, quantize, group_size, keep_quantized)
     print(f"hpcinfer: converted {source} -> {output} ({arch.family}, {arch.num_layers} layers, "
           f"{arch.param_count():,} parameters, {dtype}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
 def _inspect(path: str, verify: bool = False) -> int:
-    import time
-
-    from .checkpoint.format import describe, open_checkpoint
-
     with open_checkpoint(path) as ckpt:
         print(describe(ckpt), flush=True)
         if verify:
@@ -176,8 +171,6 @@ def _inspect(path: str, verify: bool = False) -> int:
 
 
 def _bytes_option(name: str, value: str | None) -> int | None:
-    from .config import parse_bytes
-
     if value is None:
         return None
     try:
@@ -195,9 +188,6 @@ def _budgets(args) -> dict:
 
 
 def _disk_dir(args) -> str:
-    import os
-    import tempfile
-
     disk_dir = getattr(args, "disk_dir", None) or tempfile.gettempdir()
     if not os.path.isdir(disk_dir):
         raise ConfigError(f"--disk-dir '{disk_dir}' is not a directory")
@@ -205,9 +195,8 @@ def _disk_dir(args) -> str:
 
 
 def _measure(args):
-    from .backend.ops import make_ops
-    from .offload.profile import measure
-
+    """(profile, ops): this process's profile (offload/profile.measure, with the GPU's figures on cupy:
+    offload/profile_gpu.with_gpu) and the Ops it measured with."""
     disk_dir = _disk_dir(args)
     size = _bytes_option("size", getattr(args, "size", "256MiB"))
     ops = make_ops(getattr(args, "backend", "auto"), 0)
@@ -216,20 +205,14 @@ def _measure(args):
     except OSError as exc:
         raise ConfigError(f"cannot measure the disk under '{disk_dir}': {exc.strerror or exc}") from None
     if ops.name != "cupy":
-        return profile
-    from .offload.profile_gpu import with_gpu
-
-    return with_gpu(profile, ops.xp, size, _budgets(args).get("device_memory"))        # overlap = True: a GPU
+        return profile, ops
+    return with_gpu(profile, ops.xp, size, _budgets(args).get("device_memory")), ops   # overlap = True: a GPU
 
 
 def _profile(args) -> int:
-    import time
-
-    from .offload.profile import save_profile
-
     t0 = time.perf_counter()
     comm = _mpi_world()
-    profile = _measure_ranks(args, comm) if comm is not None else _with_link_defaults_noted(_measure(args))
+    profile = _measure_ranks(args, comm) if comm is not None else with_link_defaults_noted(*_measure(args))
     if profile is None:                                  # ranks other than 0 of an mpiexec run: rank 0 writes
         return 0
     if args.out is None:
@@ -245,10 +228,6 @@ def _profile(args) -> int:
     return 0
 
 
-LINK_DEFAULTS_NOTE = ("gpus_per_node = {gpus} ({how}); intra_node_* and inter_node_* link figures are defaults, "
-                      "not measured: run `mpiexec -n R hpcinfer profile` with the ranks of one node to measure them")
-
-
 def _mpi_world():
     """MPI.COMM_WORLD when this process runs under mpiexec with >= 2 ranks, else None (a 1-process run; also when
     mpi4py is missing or finds no MPI library, said on stderr: the profile of one process needs no MPI)."""
@@ -260,30 +239,9 @@ def _mpi_world():
     return MPI.COMM_WORLD if MPI.COMM_WORLD.size >= 2 else None
 
 
-def _with_link_defaults_noted(profile):
-    """A 1-process profile: the links stay the defaults, and its notes say so. On cupy, gpus_per_node is the
-    number of GPUs this process sees (counted); on numpy it stays 1 (one process is one rank)."""
-    import dataclasses
-
-    how = "default: one process is one rank"
-    gpus = profile.gpus_per_node
-    if profile.notes.startswith("cupy backend"):
-        from .backend.cupy_ops import _import_cupy
-
-        gpus, how = max(1, int(_import_cupy().cuda.runtime.getDeviceCount())), "GPUs this process sees, counted"
-    note = LINK_DEFAULTS_NOTE.format(gpus=gpus, how=how)
-    notes = f"{profile.notes}; {note}" if profile.notes else note
-    return dataclasses.replace(profile, gpus_per_node=gpus, notes=notes)
-
-
 def _measure_ranks(args, comm):
     """The profile of one rank of this node, measured by every rank of an mpiexec run at once, with the links
     measured by MPI ping-pong (perf/links.measure_ranks); rank 0 returns it, the other ranks None."""
-    import dataclasses
-
-    from .backend.ops import make_ops
-    from .perf.links import measure_ranks
-
     disk_dir = _disk_dir(args)
     size = _bytes_option("size", getattr(args, "size", "256MiB"))
     ops = make_ops(getattr(args, "backend", "auto"), comm.rank)
@@ -296,25 +254,7 @@ def _measure_ranks(args, comm):
         raise ConfigError(f"cannot measure the disk under '{disk_dir}': {exc.strerror or exc}") from None
     if profile is None:
         return None
-    note = (f"measured under mpiexec -n {comm.size}: gpus_per_node = {profile.gpus_per_node} (the ranks sharing "
-            "this node's memory)")
-    return dataclasses.replace(profile.with_budgets(**_budgets(args)), notes=f"{profile.notes}; {note}")
-
-
-def _plan_model(spec: str):
-    """(arch, dtype) of a preset name or a checkpoint file."""
-    import os
-
-    from .checkpoint.presets import PRESETS
-
-    if spec in PRESETS:
-        return PRESETS[spec], "float32"
-    if os.path.exists(spec) or spec.endswith((".h5", ".hdf5")):
-        from .checkpoint.format import open_checkpoint
-
-        with open_checkpoint(spec) as ckpt:
-            return ckpt.arch, ckpt.dtype
-    raise ConfigError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint file")
+    return with_mpiexec_noted(profile, comm.size, _budgets(args))
 
 
 def _layout_plan_arguments(plan) -> None:
@@ -334,130 +274,19 @@ def _layout_plan_arguments(plan) -> None:
 
 
 def _plan(args) -> int:
-    from .offload.lp import search_policy
-    from .offload.profile import resolve_profile
-    from .quant.planning import planned_kv_format, planned_quant_of
-
     if args.gpus is not None:
-        from .checkpoint.presets import PRESETS
-        from .perf.report import plan_layouts
-
-        arch, stored_dtype = _plan_model(args.model)
+        arch, stored_dtype = planned_model(args.model)
         memory = _bytes_option("gpu-memory", args.gpu_memory) or _bytes_option("device-memory", args.device_memory)
         return plan_layouts(args, arch, args.dtype or ("float16" if args.model in PRESETS else stored_dtype), memory)
-    for name in ("prompt_len", "gen_len"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_latency is not None and not args.max_latency > 0:
-        raise ConfigError(f"--max-latency must be > 0 seconds, got {args.max_latency:g}")
-    if args.prefetch_layers is not None and args.prefetch_layers < 0:
-        raise ConfigError(f"--prefetch-layers must be >= 0, got {args.prefetch_layers}")
-    arch, stored_dtype = _plan_model(args.model)
+    offload_report.check_args(args)
+    arch, stored_dtype = planned_model(args.model)
     dtype = args.dtype or stored_dtype
     if args.profile is None:
         print("hpcinfer: no --profile: measuring this machine (hpcinfer profile --out FILE keeps it)",
               file=sys.stderr)
-        profile = _measure(args)
+        profile = _measure(args)[0]
     else:
         profile = resolve_profile(args.profile).with_budgets(**_budgets(args))
-    cpu = {"auto": None, "on": True, "off": False}[args.cpu_attention]
-    fixed = _fixed_percentages(args.fix)
-    quant_of = planned_quant_of(args.model, arch, args.quantize, args.quantize_group)
-    kv = planned_kv_format(args.kv_cache, args.kv_cache_group, arch.head_dim)
-    try:
-        policy, best, candidates = search_policy(arch, args.prompt_len, args.gen_len, profile, args.max_latency,
-                                                 cpu_attention=cpu, schedule=args.schedule,
-                                                 prefetch_layers=args.prefetch_layers, dtype=dtype, fixed=fixed,
-                                                 quant_of=quant_of, kv_format=kv)
-    except ValueError as exc:
-        raise ConfigError(f"--fix: {exc}") from None
-    print(_plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of, kv))
+    plan = offload_report.search(args, arch, dtype, profile)
+    print(offload_report.plan_text(args, arch, dtype, profile, plan, _disk_dir(args)))
     return 0
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M" if n >= 10**6 else f"{n / 1e3:.1f}K"
-
-
-def _fixed_percentages(items: list[str]) -> dict:
-    fixed = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        try:
-            fixed[key.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise ConfigError(f"--fix {item!r}: expected KEY=PERCENT, e.g. --fix cache_gpu=100")
-    _check_fixed_sums(fixed)
-    return fixed
-
-
-def _check_fixed_sums(fixed: dict) -> None:
-    """The gpu / cpu / disk percentages of weights, cache and activations each sum to 100: fixed ones may not
-    sum to more, and all three fixed must sum to exactly 100."""
-    for what in ("weights", "cache", "act"):
-        keys = [f"{what}_{tier}" for tier in ("gpu", "cpu", "disk") if f"{what}_{tier}" in fixed]
-        total = sum(fixed[k] for k in keys)
-        named = " + ".join(f"{k}={fixed[k]:g}" for k in keys)
-        if total > 100 + 1e-9:
-            raise ConfigError(f"--fix {named} = {total:g}: the {what}_gpu / {what}_cpu / {what}_disk percentages "
-                              f"must sum to 100, so the fixed ones cannot sum to more")
-        if len(keys) == 3 and abs(total - 100) > 1e-9:
-            raise ConfigError(f"--fix {named} = {total:g}: the three percentages must sum to 100")
-
-
-def _plan_report(args, arch, dtype, profile, policy, best, candidates, quant_of=None, kv_format=None) -> str:
-    from .offload.cost_model import TIERS, ModelSizes
-    from .offload.policy import human_bytes
-
-    sizes = ModelSizes.of(arch, dtype, quant_of, kv_format)
-    if args.quantize != "none":
-        dtype = f"{dtype}, matrices {args.quantize}"
-    lines = [
-        f"# hpcinfer plan: {args.model} ({_count(arch.param_count())} parameters, {dtype}: "
-        f"{human_bytes(sizes.total_weight_bytes)} of weights"
-        + (f"; KV cache {kv_format.mode} g{kv_format.group}" if kv_format is not None else "") + f") on {profile.name}",
-        f"# workload: prompt {args.prompt_len} + {args.gen_len} generated tokens per sequence"
-        + (f", max latency {args.max_latency:g} s" if args.max_latency is not None else "")
-        + (f"; fixed: {', '.join(args.fix)}" if args.fix else ""),
-        f"# predicted: {best.throughput:.3g} tokens/s, latency {best.latency_s:.4g} s for a block of "
-        f"{policy.block_size} sequences (prefill {best.prefill_s:.4g} s + decode {best.decode_s:.4g} s)",
-        f"# bottleneck: {best.bottleneck}",
-        "# peak memory: " + ", ".join(f"{tier} {human_bytes(best.peak[tier])} of {human_bytes(best.budget[tier])}"
-                                      for tier in TIERS),
-        policy.to_toml_section(profile.device_memory, profile.host_memory, _disk_dir(args), arch.num_layers,
-                               args.gen_len, _profile_key(args)).rstrip("\n"),
-    ]
-    if args.profile is None:
-        lines.insert(-1, "# no --profile: keep this machine's with `hpcinfer profile --out machine.toml` and set "
-                         "[offload] profile = \"machine.toml\" for the run's predicted-vs-measured line")
-    shown = candidates[:max(args.candidates, 0)]
-    if shown:
-        lines += ["", f"# candidates (the {len(shown)} fastest of {len(candidates)} feasible block shapes):",
-                  "# gpu_batch  batches  block  weights g/c/d  cache g/c/d  act g/c/d  cpu_att  tokens/s  "
-                  "latency_s  device     host       disk"]
-        for p, pred in shown:
-            lines.append(
-                f"# {p.gpu_batch_size:>9}  {p.num_gpu_batches:>7}  {p.block_size:>5}  "
-                f"{_triple(p.weights_gpu, p.weights_cpu, p.weights_disk):>13}  "
-                f"{_triple(p.cache_gpu, p.cache_cpu, p.cache_disk):>11}  "
-                f"{_triple(p.act_gpu, p.act_cpu, p.act_disk):>9}  {('yes' if p.cpu_attention else 'no'):>7}  "
-                f"{pred.throughput:>8.3g}  {pred.latency_s:>9.4g}  "
-                + "  ".join(f"{human_bytes(pred.peak[t]):>9}" for t in TIERS))
-    return "\n".join(lines)
-
-
-def _profile_key(args) -> str | None:
-    """`--profile` as `[offload] profile` takes it: a preset's name, or the file's absolute path."""
-    import os
-
-    from .offload.profile import PRESETS
-
-    if args.profile is None or args.profile in PRESETS:
-        return args.profile
-    return os.path.abspath(args.profile)
-
-
-def _triple(gpu: float, cpu: float, disk: float) -> str:
-    return "/".join(f"{v:.0f}" for v in (gpu, cpu, disk))

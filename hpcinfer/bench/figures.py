@@ -7,6 +7,11 @@ import time
 
 import numpy as np
 
+from ..config import load_config
+from ..offload.budget import plan_bytes
+from ..parallel.stages import partition_layers
+from ..preflight import open_model_source
+from ..quant.storage import configure, quant_of
 from .common import median
 
 # Figures whose median over rounds the results keep (memory is the same in every round: the last run's is kept).
@@ -90,12 +95,6 @@ def offload_device_bytes(config_path: str, prompt_lengths: list) -> int | None:
     """What an offloaded job holds on the device per rank, as its budget check counts it before it runs
     (offload/budget.plan_bytes: resident layers, streaming window, embedding tables, KV cache on the device and
     its staging; the largest stage). None when the job's config has no active [offload]."""
-    from ..config import load_config
-    from ..job import open_model_source
-    from ..offload.budget import plan_bytes
-    from ..parallel.stages import partition_layers
-    from ..quant.storage import configure, quant_of
-
     config = load_config(str(config_path))
     if not config.offload.active:
         return None

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.format import open_checkpoint
+from ..checkpoint.presets import PRESETS
+from ..generate.tokenizer import TextTokenizer
 from .cells import Cell
+from .common import make_prompts
 from .suites import BenchConfig, Layout, Suite
 
 DEFAULT_ALL_TO_ALL = "pcc+hierarchical"      # docs/config.md [moe] all_to_all
@@ -21,11 +25,7 @@ NO_GRAPHS_CPU = "GPU backend only: the NumPy backend has no fused kernels and no
 def model_arch(suite: Suite):
     """The suite's model architecture (a preset's, or read from the checkpoint's attributes)."""
     if suite.model.preset is not None:
-        from ..checkpoint.presets import PRESETS
-
         return PRESETS[suite.model.preset]
-    from ..checkpoint.format import open_checkpoint
-
     with open_checkpoint(suite.model.checkpoint) as ckpt:
         return ckpt.arch
 
@@ -111,14 +111,9 @@ def suite_prompts(suite: Suite, arch) -> list[list[int]]:
     count, length = max(suite.batches), suite.prompt_len
     tokenizer = None
     if suite.model.checkpoint is not None:
-        from ..checkpoint.format import open_checkpoint
-        from ..generate.tokenizer import TextTokenizer
-
         with open_checkpoint(suite.model.checkpoint) as ckpt:
             tokenizer = TextTokenizer.from_checkpoint(ckpt)
     if tokenizer is not None:
-        from .common import make_prompts
-
         prompts = make_prompts(tokenizer, count, length)
     else:
         prompts = np.random.default_rng(0).integers(0, arch.vocab_size, size=(count, length)).tolist()

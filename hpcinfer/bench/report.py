@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import InputError
 from .schema import validate
 
 PLOTS = ("latency", "throughput", "bandwidth", "scaling")
@@ -275,8 +276,6 @@ def write_report(result: dict, stem: Path) -> tuple[Path, list[str]]:
 
 def report_from_file(results_json: str) -> tuple[Path, list[str]]:
     """Regenerate the report and plots beside a stored results file."""
-    from ..errors import InputError
-
     try:
         result = json.loads(Path(results_json).read_text())
     except FileNotFoundError:

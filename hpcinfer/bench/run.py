@@ -10,10 +10,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
+from .. import __version__
 from . import figures as fig
 from .cells import run_cell
 from .common import ChildCpuMeter, agreement, busy_warning, git_commit, loadavg, logger, machine_info, \
     usable_cores, wait_quiet
+from .hf_baseline import Transformers, device_name, pick_device
 from .plan import CUDA_GRAPHS, NO_GRAPHS_CPU, graphs_skip, is_moe, model_arch, plan_cells, suite_prompts, \
     write_prompts
 from .schema import CURRENT
@@ -115,9 +119,7 @@ def hf_round(cfg: BenchConfig, run: SuiteRun, rnd: int, models: dict) -> None:
     """One round of the transformers baseline at every batch of the suite, in this process."""
     if hf_applicability(run):
         return
-    import torch
-
-    from .hf_baseline import Transformers, device_name, pick_device
+    import torch                        # lazy: the baseline's heavy optional dependency (the `test` extra)
 
     source = run.suite.model.hf_source
     device, note = pick_device(run.backend, torch)
@@ -247,10 +249,6 @@ def not_applicable(machine: dict, backend: str | None = None) -> list:
 
 
 def run_bench(cfg: BenchConfig, out: str, keep: bool = False) -> dict:
-    import numpy as np
-
-    import hpcinfer
-
     t_start, started, load_start = time.perf_counter(), _dt.datetime.now().astimezone(), loadavg()
     machine = machine_info()
     backend = resolve_backend(cfg.backend)
@@ -281,7 +279,7 @@ def run_bench(cfg: BenchConfig, out: str, keep: bool = False) -> dict:
                    "launcher": list(cfg.launcher) or ["mpiexec", "-n", "{ranks}"],
                    "layouts": [dataclasses.asdict(lay) for lay in cfg.layouts]},
         "machine": machine | {"memory_read": bandwidth, "loadavg_start": load_start, "loadavg_end": loadavg()},
-        "software": {"hpcinfer": hpcinfer.__version__, "numpy": np.__version__, "git_commit": git_commit()},
+        "software": {"hpcinfer": __version__, "numpy": np.__version__, "git_commit": git_commit()},
         "suites": suites,
         "not_applicable": not_applicable(machine, backend),
         "warnings": busy_warning(others, "a cell (cells[].runs[].cpu.other_cpus)")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..backend.interface import BACKENDS
+from ..backend.ops import resolve_backend as resolve_ops_backend
+from ..checkpoint.presets import PRESETS
 from ..config import read_toml
 from ..errors import ConfigError
 
@@ -148,8 +150,6 @@ def _model(path: str, where: str, table: dict, base: ModelSpec | None) -> ModelS
     if (spec.checkpoint is None) == (spec.preset is None):
         raise _err(path, f"{where} needs exactly one of 'checkpoint' (an HDF5 file) and 'preset' (docs/presets.md)")
     if spec.preset is not None:
-        from ..checkpoint.presets import PRESETS
-
         if spec.preset not in PRESETS:
             raise _err(path, f"{where}.preset = {spec.preset!r} is not a preset; presets: {', '.join(PRESETS)}")
     return spec
@@ -200,8 +200,6 @@ def _suite(path: str, name: str, table: dict, model: ModelSpec, layout_names: se
 def _check_positions(path: str, where: str, suite: Suite) -> None:
     if suite.model.preset is None:
         return                                          # a checkpoint's arch is read when the suite runs
-    from ..checkpoint.presets import PRESETS
-
     limit = PRESETS[suite.model.preset].max_positions
     if suite.prompt_len + suite.new_tokens > limit:
         raise _err(path, f"{where}: prompt_len + new_tokens = {suite.prompt_len + suite.new_tokens} is above "
@@ -246,6 +244,4 @@ def resolve_backend(requested: str) -> str:
     """The backend every cell runs on: numpy, cupy, or for auto cupy when cupy sees a GPU here (as make_ops
     resolves it), else numpy. Resolved once in the driver so that the cells' configs name it and the suites can
     plan the GPU-only variants (CUDA graphs)."""
-    from ..backend.ops import resolve_backend as resolve
-
-    return resolve(requested)
+    return resolve_ops_backend(requested)

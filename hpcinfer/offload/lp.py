@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.optimize import linprog
 
 from ..arch import ModelArch
 from ..errors import ConfigError
@@ -327,7 +326,7 @@ class _Problem:
     def solve(self, max_latency: float | None, relax: frozenset = frozenset()) -> np.ndarray | None:
         """The optimal fractions (9,), or None when infeasible. Two stages: least time, then least traffic."""
         a_ub, b_ub, a_eq, b_eq, bounds, objective = self.rows(max_latency, relax)
-        first = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        first = _linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
         if first.status == 2:
             return None
         if first.status != 0:
@@ -340,8 +339,8 @@ class _Problem:
                 tie[:NV] += weight * np.asarray(phase[link].coef)
         limit = first.fun * (1 + 1e-7) + 1e-12
         scale = max(1.0, limit)
-        second = linprog(tie, A_ub=np.vstack([a_ub, objective / scale]), b_ub=np.append(b_ub, limit / scale),
-                         A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        second = _linprog(tie, A_ub=np.vstack([a_ub, objective / scale]), b_ub=np.append(b_ub, limit / scale),
+                          A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
         x = second.x if second.status == 0 else first.x
         return _clean(x[:NV])
 
@@ -350,14 +349,22 @@ class _Problem:
         a_ub, b_ub, a_eq, b_eq, bounds, _ = self.rows(None, frozenset({tier}))
         objective = np.zeros(NV + 2)
         objective[:NV] = self.memory[tier].coef
-        result = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        result = _linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
         return result.fun + self.memory[tier].const if result.status == 0 else math.inf
 
     def fastest(self) -> float:
         """Seconds per block of the fastest placement that fits, ignoring max_latency (inf: none fits)."""
         a_ub, b_ub, a_eq, b_eq, bounds, objective = self.rows(None)
-        result = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        result = _linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
         return result.fun if result.status == 0 else math.inf
+
+
+def _linprog(*args, **kwargs):
+    """scipy.optimize.linprog. Every hpcinfer command imports this module (the CLI offers `plan`), only `plan` solves
+    an LP, and scipy.optimize takes about 0.3 s to import: so it is imported here, on the first solve."""
+    from scipy.optimize import linprog      # lazy: a heavy third-party import that only the planners need
+
+    return linprog(*args, **kwargs)
 
 
 def _diagnose(problems: list, max_latency: float | None, b: int, k: int) -> PlacementError:

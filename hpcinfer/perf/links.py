@@ -5,7 +5,9 @@ threads the runtime would give it: the node's cores divided among its ranks), so
 decode-shaped matmuls' weight reads: the slowest rank's) are what one rank gets while the others work; then ranks
 0 and 1 play ping-pong: the latency is half the round trip of an 8-byte message, the bandwidth a 16 MiB message's
 size over half its round trip. Ranks 0 and 1 share a node here; with one node
-the inter-node link is set equal to the intra-node one.
+the inter-node link is set equal to the intra-node one. `hpcinfer profile` notes in the profile how it was
+measured: under mpiexec (with_mpiexec_noted), or by one process, whose links stay the defaults
+(with_link_defaults_noted).
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ import os
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
+
+from ..comm.mesh import shared_memory_ranks
+from ..offload.profile import measure
+
+LINK_DEFAULTS_NOTE = ("gpus_per_node = {gpus} ({how}); intra_node_* and inter_node_* link figures are defaults, "
+                      "not measured: run `mpiexec -n R hpcinfer profile` with the ranks of one node to measure them")
 
 
 def ping_pong(comm, nbytes: int, repeats: int) -> float:
@@ -36,11 +45,6 @@ def ping_pong(comm, nbytes: int, repeats: int) -> float:
 
 def measure_ranks(comm, tmp_dir: str, size: int = 64 * 2**20):
     """A HardwareProfile of one rank of this node (on rank 0; None elsewhere). Needs >= 2 ranks."""
-    from threadpoolctl import threadpool_limits
-
-    from ..comm.mesh import shared_memory_ranks
-    from ..offload.profile import measure
-
     local = shared_memory_ranks(comm)
     threads = max(1, len(os.sched_getaffinity(0)) // local)
     with threadpool_limits(threads):
@@ -62,6 +66,27 @@ def measure_ranks(comm, tmp_dir: str, size: int = 64 * 2**20):
         inter_node_bandwidth=bandwidth,
         notes=profile.notes + f"; rates per rank with {threads} BLAS threads while all {comm.size} ranks measure; "
                               f"links by MPI ping-pong (one node: inter = intra)")
+
+
+def with_mpiexec_noted(profile, ranks: int, budgets: dict):
+    """measure_ranks' profile with the tier budgets given (`hpcinfer profile --device-memory ...`) and a note of
+    how it was measured."""
+    note = (f"measured under mpiexec -n {ranks}: gpus_per_node = {profile.gpus_per_node} (the ranks sharing "
+            "this node's memory)")
+    return dataclasses.replace(profile.with_budgets(**budgets), notes=f"{profile.notes}; {note}")
+
+
+def with_link_defaults_noted(profile, ops):
+    """A 1-process profile (measured with `ops`): the links stay the defaults, and its notes say so. On cupy,
+    gpus_per_node is the number of GPUs this process sees (counted); on numpy it stays 1 (one process is one
+    rank)."""
+    how = "default: one process is one rank"
+    gpus = profile.gpus_per_node
+    if profile.notes.startswith("cupy backend"):
+        gpus, how = max(1, int(ops.xp.cuda.runtime.getDeviceCount())), "GPUs this process sees, counted"
+    note = LINK_DEFAULTS_NOTE.format(gpus=gpus, how=how)
+    notes = f"{profile.notes}; {note}" if profile.notes else note
+    return dataclasses.replace(profile, gpus_per_node=gpus, notes=notes)
 
 
 def _min():

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..offload import partition
+from ..offload.lp import PlacementError, solve_placement
 from ..offload.sizes import kv_token_bytes, layer_bytes, table_bytes
 from ..offload.tiers import place_layers
 from .comm_cost import Links, all_gather
@@ -153,8 +154,6 @@ def plan_offload(arch, layout: Layout, work: Workload, hw, cache: dict | None = 
 def placements(arch, layout: Layout, work: Workload, hw) -> list:
     """[(policy, peak)]: the offload LP's placement of a rank for each split of its block into GPU batches that
     fits (peak: tier -> bytes with shard_margin added)."""
-    from ..offload.lp import PlacementError, solve_placement
-
     shard = shard_arch(arch, layout.tp)
     if shard is None:
         return []

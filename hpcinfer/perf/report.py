@@ -10,8 +10,13 @@ and can be pasted into a job config.
 
 from __future__ import annotations
 
+from ..arch import tensor_shapes
+from ..config import parse_bytes
 from ..errors import ConfigError
+from ..offload.lp import search_policy
+from ..offload.planning import planned_kv_format, planned_quant_of
 from ..offload.policy import human_bytes
+from ..offload.profile import resolve_profile
 from .layout import Layout
 from .memory import weight_bytes
 from .planner import OBJECTIVES, PlanResult, plan
@@ -49,8 +54,6 @@ def _check_args(args) -> None:
 def resolve_hardware(args, gpu_memory: int | None):
     """The HardwareProfile named by --hardware (or --profile), with the memory per GPU replaced when given, and a
     node's host memory and disk (--host-memory, --disk-memory)."""
-    from ..offload.profile import resolve_profile
-
     hw = resolve_profile(args.hardware or args.profile or DEFAULT_HARDWARE).with_budgets(
         device_memory=gpu_memory, host_memory=_size(args, "host_memory"), disk_memory=_size(args, "disk_memory"))
     if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
@@ -60,8 +63,6 @@ def resolve_hardware(args, gpu_memory: int | None):
 
 
 def _size(args, name: str) -> int | None:
-    from ..config import parse_bytes
-
     value = getattr(args, name, None)
     if value is None:
         return None
@@ -114,11 +115,8 @@ def plan_layouts(args, arch, dtype: str, gpu_memory: int | None) -> int:
 
 def quantization(args, arch) -> tuple:
     """(quant_of, kv_format) of `--quantize` / `--kv-cache` (and their groups) as the offload planner reads them
-    (quant.planning: a quantized checkpoint counts as stored), quant_of None when no weight is quantized. The
+    (offload.planning: a quantized checkpoint counts as stored), quant_of None when no weight is quantized. The
     same helpers as the offload planner's, so that both planners agree on what is quantized."""
-    from ..arch import tensor_shapes
-    from ..quant.planning import planned_kv_format, planned_quant_of
-
     quant_of = planned_quant_of(args.model, arch, args.quantize, args.quantize_group)
     if not any(quant_of(name) for name in tensor_shapes(arch)):
         quant_of = None
@@ -136,8 +134,6 @@ def _quant_label(args, quant_of, kv) -> str:
 
 def _offload_fallback(args, arch, work: Workload, hw) -> int:
     """One GPU and nothing fits: FlexGen's offload policy search (offload/lp.py) on the same machine."""
-    from ..offload.lp import search_policy
-
     policy, pred, _ = search_policy(arch, work.prompt_len, work.gen_len, hw, dtype=work.dtype,
                                     quant_of=work.quant_of, kv_format=work.kv_format)
     print(f"# nothing fits in {human_bytes(hw.device_memory)}: offloading (FlexGen's policy search, "
