@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend.ops import StepLayout, make_ops
+from .backend.interface import StepLayout
+from .backend.ops import make_ops
 from .checkpoint.format import open_checkpoint
 from .comm.group import Groups
 from .generate.engine import GenerationParams, StepTimes
@@ -17,13 +18,12 @@ from .generate.kv_cache import KVCache
 from .generate.sampling import SamplingParams
 from .generate.schedules.pipeline import generate_batch
 from .model.transformer import Decoder
+from .quant.storage import configure
 
 
 def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", backend: str = "numpy",
                quantize: str = "none", group_size: int = 64) -> Decoder:
     """quantize: "int8" | "int4" | "asym8" quantizes a float checkpoint while loading (docs/quantization.md)."""
-    from .quant.storage import configure
-
     with open_checkpoint(path) as ckpt:
         configure(ckpt, quantize, group_size)
         return Decoder(make_ops(backend), groups or Groups(), ckpt.arch, dtype).load(ckpt)

@@ -27,6 +27,7 @@ from .generate.tokenizer import TextTokenizer
 from .metrics import peak_rss_bytes, summarize
 from .offload.budget import check_budgets, kv_format_of, predicted_vs_measured
 from .offload.partition import fetch_share
+from .offload.profile import resolve_profile
 from .quant.storage import quant_of
 from .parallel.layout import check_experts, check_tensor_parallel
 from .parallel.stages import partition_layers
@@ -84,8 +85,6 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart
                                   f"replicas exchange tokens in every MoE layer and the offload schedules do not "
                                   f"step them together; use tp, ep and expert_tp over all ranks instead")
         if config.offload.profile is not None:
-            from .offload.profile import resolve_profile
-
             resolve_profile(config.offload.profile)
         if config.offload.active and config.offload.disk_dir and config.offload.weights_gpu + \
                 config.offload.weights_cpu < 100:           # every rank writes its layers there

@@ -19,20 +19,23 @@ import time
 import traceback
 
 from .backend.ops import make_ops
-from .comm.group import Groups, MoELayout
+from .comm.group import Groups, MoELayout, MPIGroup
 from .comm.mesh import build_mesh, shared_memory_ranks
 from .comm.mpi_library import load_mpi
 from .comm.nccl_group import NcclGroup, device_group_factory, resolve_comm
 from .comm.pipeline import StageLink
 from .config import load_config
+from .embed.job import embed_metrics, open_writer, prepare_embed_job, run_rounds
 from .errors import HpcinferError
 from .metrics import held_bytes
 from .faults import Faults
 from .generate.graphs import check_comm as check_graphs_comm
+from .generate.output import write_metrics
 from .generate.progress import Progress
 from .generate.rounds import BatchRounds, StopFlag
 from .generate.runner import Runner
 from .job import RankReport, generate_share, generation_params, kv_format_of, prepare_job, write_outputs
+from .model.encoder import Encoder
 from .model.transformer import Decoder
 from .logs import setup_logging
 from .offload.tiers import WeightTiers, place_layers
@@ -165,10 +168,6 @@ def _generate(config, mesh, runner, job, stop: StopFlag, load_s: float, t_start:
 
 def _run_embed(world, config, ranks_per_node: int, t_start: float, restart: bool, stop: StopFlag) -> None:
     """An embedding job: an encoder over tp x dp ranks; rank 0 writes the HDF5 file batch by batch."""
-    from .embed.job import embed_metrics, open_writer, prepare_embed_job, run_rounds
-    from .generate.output import write_metrics
-    from .model.encoder import Encoder
-
     rank = world.Get_rank()
     job = agree(world, lambda: prepare_embed_job(config, world.Get_size(), rank))
     writer = agree(world, lambda: open_writer(job, restart) if rank == 0 else None)     # resume or refuse here
@@ -245,8 +244,6 @@ def _fetch_group(mesh, nccl: bool = False):
     at once (the second value). NCCL rounds run on the main thread, in program order (their part uploads are
     prefetched; offload/tiers.py says why)."""
     from mpi4py import MPI
-
-    from .comm.group import MPIGroup
 
     pp_i, dp_i, tp_i = mesh.coords
     color = (mesh.node * mesh.shape.pp + pp_i) * mesh.shape.tp + tp_i

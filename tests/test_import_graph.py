@@ -8,7 +8,7 @@ Imports of other packages (numpy, cupy, mpi4py, torch, transformers, matplotlib,
 here, and may stay inside the functions that need them, to keep a heavy or optional dependency lazy.
 
 An import of an hpcinfer module written inside a function is the usual way a cycle is hidden; the second test
-allows none but the ones listed in LAZY_ALLOWED, each with its reason (and, for now, NOT_YET_MOVED).
+allows none but the ones listed in LAZY_ALLOWED, each with its reason (there are none).
 """
 
 from __future__ import annotations
@@ -19,26 +19,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "hpcinfer"
 
 # (importing module, imported module): an hpcinfer import that stays inside a function, and why.
-LAZY_ALLOWED = {
-    # CupyOps._kernel belongs to the kernel-sources change (kernels/loader.py's KernelSourceError), edited apart
-    # from this one: its import of the loader moves to the top of cupy_ops.py with its next edit. No cycle:
-    # kernels/ sits below backend/.
-    ("hpcinfer.backend.cupy_ops", "hpcinfer.kernels.loader"): "CupyOps._kernel, owned by another change",
-}
-
-# Function-level imports in the modules being restructured beside this change (generate/, job.py, runtime.py,
-# api.py, embed/job.py), as they stood: none closes a cycle (test_no_import_cycles counts them), and each goes to
-# the top with that work. An entry that is gone fails the test below until it is removed here too.
-NOT_YET_MOVED = {
-    ("hpcinfer.api", "hpcinfer.quant.storage"),
-    ("hpcinfer.embed.job", "hpcinfer.embed.output"),
-    ("hpcinfer.generate.graphs", "hpcinfer.backend.cupy_graphs"),
-    ("hpcinfer.job", "hpcinfer.offload.profile"),
-    ("hpcinfer.runtime", "hpcinfer.embed.job"),
-    ("hpcinfer.runtime", "hpcinfer.generate.output"),
-    ("hpcinfer.runtime", "hpcinfer.model.encoder"),
-    ("hpcinfer.runtime", "hpcinfer.comm.group"),
-}
+LAZY_ALLOWED: dict = {}           # none: every hpcinfer import is at the top of its module
 
 
 def module_name(path: Path, package: Path) -> str:
@@ -181,7 +162,7 @@ def test_no_import_cycles():
 def test_no_hidden_hpcinfer_imports():
     """An hpcinfer import inside a function hides the module's place in the layering; each one left is listed."""
     _, lazy = graph()
-    listed = set(LAZY_ALLOWED) | NOT_YET_MOVED
+    listed = set(LAZY_ALLOWED)
     left = sorted({f"{where} imports {target}" for module, where, target in lazy if (module, target) not in listed})
     assert not left, "imports of hpcinfer modules inside functions (move them to the top):\n" + "\n".join(left)
     stale = listed - {(module, target) for module, _, target in lazy}

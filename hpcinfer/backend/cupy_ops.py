@@ -33,6 +33,7 @@ from functools import cache
 import numpy as np
 
 from ..errors import ConfigError
+from ..kernels.loader import kernel
 from . import cupy_attention, cupy_moe, cupy_quant, cupy_sbi, moe_ops
 from .cupy_dtypes import BF16_BITS, is_bf16
 from .cupy_transfer import StreamCopies
@@ -420,8 +421,6 @@ class CupyOps:
         the kernel does not take."""
         if not self.kernels:
             return None
-        from ..kernels.loader import kernel
-
         return kernel(name, function, {"T_STORAGE": "float", "T_ACT": "float", **defines})
 
     def _rows(self, a):

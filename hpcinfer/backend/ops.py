@@ -8,7 +8,6 @@ from __future__ import annotations
 from ..errors import ConfigError
 from . import cupy_ops
 from .interface import BACKENDS, Ops
-from .interface import StepLayout  # noqa: F401 - its old home: api.py and generate/ still import it here
 from .numpy_ops import NumpyOps
 
 

@@ -22,6 +22,7 @@ from ..model.encoder import encoder_layout
 from ..parallel.layout import check_tensor_parallel
 from ..preflight import check_quantization, check_writable, open_model_source
 from .inputs import EncoderTokenizer, load_inputs
+from .output import EmbeddingWriter
 from .pooling import l2_normalize, pool
 
 DEFAULT_MAX_LENGTH = 512
@@ -120,8 +121,6 @@ def job_fingerprint(config) -> dict:
 
 def open_writer(job: EmbedJob, restart: bool):
     """Rank 0's writer, started during set-up (so a changed job is refused before any weight is read)."""
-    from .output import EmbeddingWriter
-
     e = job.config.embed
     writer = EmbeddingWriter(e.output, job.inputs, job.ckpt.arch, e.pooling, e.normalize, job.max_length,
                              job.fingerprint, restart)

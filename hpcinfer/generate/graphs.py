@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+from ..backend.cupy_graphs import DecodeGraph
 from ..errors import ConfigError
 
 log = logging.getLogger("hpcinfer")
@@ -33,8 +34,6 @@ class DecodeGraphs:
     capture."""
 
     def __init__(self, model, cache, forward, kept: bool = False):
-        from ..backend.cupy_graphs import DecodeGraph
-
         self.model, self.cache, self.forward = model, cache, forward
         self.graph = DecodeGraph(model.ops, SMALLEST_BUCKET)
         self.kept = kept                                  # True: RunGraphs keeps it across batches (closes it)

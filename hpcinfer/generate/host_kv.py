@@ -10,7 +10,7 @@ import numpy as np
 
 from ..backend.kv_attention import SplitRows
 from ..backend.numpy_ops import NumpyOps
-from ..offload.budget import device_rows
+from ..offload.sizes import device_rows
 from ..quant.kv import QuantizedKV
 from .kv_cache import KVCache
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend.ops import StepLayout
+from ..backend.interface import StepLayout
 from ..errors import ConfigError
 from ..quant.kv import KVFormat, QuantizedKV, kv_bytes_per_token
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .budget import device_rows
+from .sizes import device_rows
 
 EMBEDDING = -1                                   # the "layer" whose output is layer 0's input
 

@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from ...backend.ops import StepLayout
+from ...backend.interface import StepLayout
 from ...parallel.micro_batches import micro_batches
 from ..engine import GenerationParams, ScheduleParams, StepTimes
 from ..graphs import batch_cache

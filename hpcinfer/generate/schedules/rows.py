@@ -5,8 +5,7 @@ one stage; the tiers' memory counter holds its KV cache and activations while it
 
 from __future__ import annotations
 
-from ...offload.budget import ACT_ITEMSIZE
-from ...offload.sizes import kv_token_bytes
+from ...offload.sizes import ACT_ITEMSIZE, kv_token_bytes
 from ...parallel.micro_batches import micro_batches
 from ..engine import ScheduleParams
 from ..runner import Runner

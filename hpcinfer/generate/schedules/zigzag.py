@@ -30,9 +30,9 @@ from __future__ import annotations
 import itertools
 import time
 
-from ...backend.ops import StepLayout
+from ...backend.interface import StepLayout
 from ...offload.activations import EMBEDDING, HostActivations
-from ...offload.budget import device_rows
+from ...offload.sizes import device_rows
 from ...parallel.micro_batches import micro_batches
 from ..host_kv import HostKV
 from ..kv_cache import KVCache
