@@ -114,7 +114,7 @@ ifeq ($(NVCC),)
 else
 	@$(MAKE) --no-print-directory $(CUBINS)
 endif
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_kernels_compile.py -k nvrtc
+	$(PY) -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_compile.py -k nvrtc
 
 build/kernels/%.sm_80.cubin: cuda_src/%.cu $(KERNEL_HDR)
 	@mkdir -p $(@D)

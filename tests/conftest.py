@@ -14,8 +14,9 @@ import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
-if str(TESTS_DIR) not in sys.path:  # pytest's default import mode adds it; --import-mode=importlib does not
-    sys.path.insert(0, str(TESTS_DIR))
+HELPERS_DIR = TESTS_DIR / "helpers"   # cli_helpers, hf_models, emu_cupy ...: imported by name from any test folder
+if str(HELPERS_DIR) not in sys.path:
+    sys.path.insert(0, str(HELPERS_DIR))
 
 from cli_helpers import run_cli as _run_cli  # noqa: E402
 
@@ -36,7 +37,7 @@ def pytest_configure(config):
 
 @pytest.fixture
 def emu_cupy(monkeypatch):
-    """The CPU stand-in for cupy (tests/emu_cupy/), installed for one test: CupyOps(device=0) and
+    """The CPU stand-in for cupy (tests/helpers/emu_cupy/), installed for one test: CupyOps(device=0) and
     make_ops("cupy", 0) build on it, its kernels run on the emulator. Yields the fake module."""
     import emu_cupy as emu
 
