@@ -18,15 +18,15 @@ from .generate.kv_cache import KVCache
 from .generate.sampling import SamplingParams
 from .generate.schedules.pipeline import generate_batch
 from .model.transformer import Decoder
-from .quant.storage import configure
+from .quant.storage import load_quant
 
 
 def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", backend: str = "numpy",
                quantize: str = "none", group_size: int = 64) -> Decoder:
     """quantize: "int8" | "int4" | "asym8" quantizes a float checkpoint while loading (docs/quantization.md)."""
     with open_checkpoint(path) as ckpt:
-        configure(ckpt, quantize, group_size)
-        return Decoder(make_ops(backend), groups or Groups(), ckpt.arch, dtype).load(ckpt)
+        quant = load_quant(ckpt, quantize, group_size)
+        return Decoder(make_ops(backend), groups or Groups(), ckpt.arch, dtype).load(ckpt, quantize=quant)
 
 
 def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:

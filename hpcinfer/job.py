@@ -43,6 +43,7 @@ class Job:
     writer: object = None        # rank 0: generate/commit.ResultWriter (resumes, commits each batch round)
     skip: set = field(default_factory=set)    # prompt indices an earlier run committed (every rank, from rank 0)
     quant_of: object = None      # tensor name -> (mode, group) when held quantized (quant.storage.quant_of)
+    load_quant: object = None    # what the model load quantizes (`[model] quantize`: quant.storage.load_quant)
 
 
 @dataclass
@@ -64,7 +65,7 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart
         if ckpt.arch.is_encoder:                          # BERT-family checkpoints embed, they do not generate
             raise ConfigError(f"{config.path}: [generate] needs a decoder checkpoint; {config.model.checkpoint} is "
                               f"a {ckpt.arch.family} encoder: use an [embed] job (docs/embed.md)")
-        check_quantization(config, ckpt, ops)
+        load_quant = check_quantization(config, ckpt, ops)
         par = config.parallel
         check_tensor_parallel(ckpt.arch, par.tp, config.path)
         stages = partition_layers(ckpt.arch, par.pp, config.path)
@@ -76,7 +77,7 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart
         tokenizer = TextTokenizer.from_checkpoint(ckpt)
         prompts = load_prompts(config.generate.prompts, ckpt.arch, tokenizer)
         _check_kv_offload(config, ckpt.arch, stages, prompts, world_size, ranks_per_node)
-        quantized = quant_of(ckpt) if config.offload.active else None      # what the tiers move quantized
+        quantized = quant_of(ckpt, load_quant) if config.offload.active else None      # what the tiers move quantized
         if config.offload.active:
             check_budgets(ckpt.arch, config, stages, [len(p.tokens) for p in prompts], quantized,
                           _fetch_share(config, world_size, ranks_per_node))
@@ -93,7 +94,7 @@ def prepare_job(config, world_size: int, rank: int, ranks_per_node: int, restart
     except Exception:
         ckpt.close()
         raise
-    return Job(config, ckpt, tokenizer, prompts, stages, writer, quant_of=quantized)
+    return Job(config, ckpt, tokenizer, prompts, stages, writer, quant_of=quantized, load_quant=load_quant)
 
 
 def _open_results(config, prompts, tokenizer, restart: bool):

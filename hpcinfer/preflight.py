@@ -10,7 +10,7 @@ from .checkpoint.format import open_checkpoint
 from .checkpoint.presets import open_preset
 from .errors import ConfigError
 from .offload.budget import kv_format_of
-from .quant.storage import configure
+from .quant.storage import LoadQuant, load_quant
 
 
 def open_model_source(model_section):
@@ -20,11 +20,13 @@ def open_model_source(model_section):
     return open_checkpoint(model_section.checkpoint)
 
 
-def check_quantization(config, ckpt, ops) -> None:
+def check_quantization(config, ckpt, ops) -> LoadQuant | None:
     """`[model] quantize` against the checkpoint's own format (quantized weights run on both backends: NumpyOps
-    dequantizes tiles, CupyOps dequantizes in registers, backend/cupy_quant.py)."""
-    configure(ckpt, config.model.quantize, config.model.quantize_group)
+    dequantizes tiles, CupyOps dequantizes in registers, backend/cupy_quant.py) -> what the model load quantizes
+    (quant.storage.load_quant: pass it to the model's load and to quant_of; the checkpoint is not changed)."""
+    quant = load_quant(ckpt, config.model.quantize, config.model.quantize_group)
     kv_format_of(config, ckpt.arch)          # a quantized KV cache and top-k run on both backends (cupy_kv.py)
+    return quant
 
 
 def check_writable(path: str, key: str) -> None:

@@ -128,11 +128,11 @@ def _run(world, config_path: str, overrides: list[str], restart: bool = False, s
     t0 = time.perf_counter()
     stage = job.stages[mesh.coords[0]]
     with job.ckpt as ckpt:
-        model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor)
-        if config.generate is not None:                         # KV cache format, top-k decode attention
-            model.set_attention(kv_format_of(config, ckpt.arch), config.generate.attention_topk)
-        model.weights = _weight_tiers(config, model, ops, rank, mesh, comm)
-        model.load(ckpt, after_block=faults.after_block(model.weights.place if model.weights is not None else None))
+        model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor,
+                        kv_format=kv_format_of(config, ckpt.arch), attention_topk=config.generate.attention_topk,
+                        weights=_weight_source(config, ops, rank, mesh, comm))
+        model.load(ckpt, after_block=faults.after_block(model.weights.place if model.weights is not None else None),
+                   quantize=job.load_quant)
     load_s = time.perf_counter() - t0
     faults.at("after_load")
     faults.arm([mesh.world, mesh.tp, mesh.dp, mesh.pp, mesh.stage])
@@ -174,7 +174,7 @@ def _run_embed(world, config, ranks_per_node: int, t_start: float, restart: bool
     mesh, threads, ops, groups, _ = _compute_setup(world, config, 1, ranks_per_node)
     t0 = time.perf_counter()
     with job.ckpt as ckpt:
-        model = Encoder(ops, groups, ckpt.arch, config.model.dtype).load(ckpt)
+        model = Encoder(ops, groups, ckpt.arch, config.model.dtype).load(ckpt, quantize=job.load_quant)
     load_s = time.perf_counter() - t0
     e = config.embed
     t0 = time.perf_counter()
@@ -221,17 +221,29 @@ def _groups(config, mesh, wrap) -> Groups:
     return Groups(tp=wrap(mesh.tp), pp=wrap(mesh.pp), stage=wrap(mesh.stage), dp=wrap(mesh.dp), moe=moe)
 
 
-def _weight_tiers(config, model, ops, rank: int, mesh=None, comm: str = "mpi"):
-    """The offload tiers of this rank's layers, when [offload] is active (docs/offload.md). comm: the resolved
-    [runtime] comm (with "nccl", partitioned fetch gathers on the devices)."""
-    off = config.offload
-    if not off.active:
+def _weight_source(config, ops, rank: int, mesh=None, comm: str = "mpi"):
+    """The Decoder's `weights`: when [offload] is active (docs/offload.md), blocks -> the offload tiers of this
+    rank's layers; None otherwise. comm: the resolved [runtime] comm (with "nccl", partitioned fetch gathers on the
+    devices). Partitioned fetch splits the world when the tiers are made (collective: every rank builds its model)."""
+    if not config.offload.active:
         return None
-    tiers = place_layers(model.num_local_layers, off.weights_gpu, off.weights_cpu)
+    return lambda blocks: _tiers_of(config, blocks, ops, rank, mesh, comm)
+
+
+def _weight_tiers(config, model, ops, rank: int, mesh=None, comm: str = "mpi"):
+    """The offload tiers of a model's blocks, when [offload] is active (tests attach them to a model built
+    without them, as `model.weights`); None otherwise."""
+    source = _weight_source(config, ops, rank, mesh, comm)
+    return source(model.blocks) if source is not None else None
+
+
+def _tiers_of(config, blocks, ops, rank: int, mesh, comm: str):
+    off = config.offload
+    tiers = place_layers(len(blocks), off.weights_gpu, off.weights_cpu)
     disk_dir = os.path.join(off.disk_dir, f"rank{rank:05d}") if off.disk_dir else None
     nccl = comm == "nccl"
     group, threads_ok = _fetch_group(mesh, nccl) if off.partitioned_fetch and mesh is not None else (None, True)
-    return WeightTiers(ops, model.blocks, tiers, disk_dir, off.prefetch_layers, group, threads_ok,
+    return WeightTiers(ops, blocks, tiers, disk_dir, off.prefetch_layers, group, threads_ok,
                        gather_on_device=group is not None and nccl)
 
 

@@ -54,7 +54,6 @@ class Checkpoint:
     def __init__(self, path: str, file: h5py.File, arch: ModelArch, dtype: str, quantization: str = "none"):
         self.path, self.file, self.arch, self.dtype = path, file, arch, dtype
         self.quantization = quantization          # how the file stores its matrices (quant/storage.py)
-        self.load_quant = None                    # (mode, group_size) to quantize a float file while loading
 
     def shape(self, name: str) -> tuple[int, ...]:
         if is_stored_quantized(self.file, name):

@@ -39,6 +39,7 @@ class EmbedJob:
     max_length: int
     batches: list                # [[input index]] bucketed by length
     fingerprint: dict = field(default_factory=dict)
+    load_quant: object = None    # what the model load quantizes (`[model] quantize`: quant.storage.load_quant)
 
 
 def prepare_embed_job(config, world_size: int, rank: int) -> EmbedJob:
@@ -54,7 +55,7 @@ def prepare_embed_job(config, world_size: int, rank: int) -> EmbedJob:
         if par.pp > 1 or par.ep > 1 or par.expert_tp > 1:
             raise ConfigError(f"{config.path}: [embed] runs with tp and data parallelism only; set [parallel] "
                               f"pp = ep = expert_tp = 1")
-        _check_model_options(config, ckpt, rank, world_size)
+        load_quant = _check_model_options(config, ckpt, rank, world_size)
         check_tensor_parallel(arch, par.tp, config.path)
         if world_size % par.tp:
             raise ConfigError(f"{config.path}: {world_size} ranks do not divide into tp = {par.tp} groups")
@@ -74,7 +75,7 @@ def prepare_embed_job(config, world_size: int, rank: int) -> EmbedJob:
         ckpt.close()
         raise
     return EmbedJob(config, ckpt, inputs, max_length, bucket_batches([len(x.tokens) for x in inputs], e.batch_size),
-                    job_fingerprint(config))
+                    job_fingerprint(config), load_quant)
 
 
 def _warn_truncated(path: str, inputs, max_length: int) -> None:
@@ -85,14 +86,16 @@ def _warn_truncated(path: str, inputs, max_length: int) -> None:
                     "(truncate = false makes this an error)", path, cut, len(inputs), max_length)
 
 
-def _check_model_options(config, ckpt, rank: int, world_size: int) -> None:
-    """[model] quantize (int8/int4 matrices, as for decoders) and verify apply; an encoder has no KV cache."""
+def _check_model_options(config, ckpt, rank: int, world_size: int):
+    """[model] quantize (int8/int4 matrices, as for decoders) and verify apply; an encoder has no KV cache.
+    -> what the model load quantizes (preflight.check_quantization)."""
     if getattr(config.model, "kv_cache", "none") != "none":
         raise ConfigError(f"{config.path}: model.kv_cache = {config.model.kv_cache!r}: an encoder has no KV cache; "
                           f"remove the key for an [embed] job")
-    check_quantization(config, ckpt, make_ops(config.runtime.backend))
+    load_quant = check_quantization(config, ckpt, make_ops(config.runtime.backend))
     if config.model.verify:
         ckpt.verify(rank, world_size)
+    return load_quant
 
 
 def resolve_max_length(config, arch) -> int:

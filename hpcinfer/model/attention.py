@@ -9,13 +9,13 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class Attention:
-    def __init__(self, ops, tp, arch, prefix: str, dtype: str):
+    def __init__(self, ops, tp, arch, prefix: str, dtype: str, topk: float = 0.0):
         self.ops, self.arch = ops, arch
         self.heads = arch.num_heads // tp.size
         self.kv_heads = arch.num_kv_heads // tp.size
         self.head_dim = arch.head_dim
         self.scale = 1.0 / math.sqrt(arch.head_dim)
-        self.topk = 0.0                                      # top-k sparse decode attention (Decoder.set_attention)
+        self.topk = float(topk)                              # top-k sparse decode attention (0 = dense)
         self.qkv = ColumnParallelLinear(ops, tp, [f"{prefix}.{p}" for p in "qkv"],
                                         [arch.q_size, arch.kv_size, arch.kv_size], arch.qkv_bias, dtype)
         self.out = RowParallelLinear(ops, tp, f"{prefix}.o", arch.q_size, arch.out_bias, dtype)

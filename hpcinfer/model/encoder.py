@@ -11,6 +11,7 @@ import numpy as np
 
 from ..backend.interface import StepLayout
 from ..parallel.layers import Replicated, VocabParallelEmbedding
+from ..quant.storage import quantizing_reader
 from .norm import Norm
 from .transformer import Block
 
@@ -34,7 +35,9 @@ class Encoder:
         self.pooler_w = Replicated(ops, "pooler.weight") if arch.pooler else None
         self.pooler_b = Replicated(ops, "pooler.bias") if arch.pooler else None
 
-    def load(self, ckpt):
+    def load(self, ckpt, quantize=None):
+        """quantize: what `[model] quantize` quantizes while loading (quant.storage.load_quant's value)."""
+        ckpt = quantizing_reader(ckpt, quantize)
         for part in (self.embed, self.positions, self.token_types, self.embed_norm, self.pooler_w, self.pooler_b,
                      *self.blocks):
             if part is not None:

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..parallel.layers import Replicated, VocabParallelEmbedding
 from ..parallel.stages import StageSpec
+from ..quant.storage import quantizing_reader
 from .attention import Attention
 from .mlp import MLP
 from .moe import MoE
@@ -17,12 +18,13 @@ from .rotary import RotaryTable
 
 
 class Block:
-    def __init__(self, ops, groups, arch, index: int, dtype: str, capacity_factor: float | None = None):
+    def __init__(self, ops, groups, arch, index: int, dtype: str, capacity_factor: float | None = None,
+                 topk: float = 0.0):
         prefix = f"layers.{index}"
         self.parallel_residual = arch.parallel_residual
         self.post_norm = arch.norm_position == "post"
         self.attn_norm = Norm(ops, arch, f"{prefix}.attn_norm")
-        self.attn = Attention(ops, groups.tp, arch, f"{prefix}.attn", dtype)
+        self.attn = Attention(ops, groups.tp, arch, f"{prefix}.attn", dtype, topk)
         self.mlp_norm = Norm(ops, arch, f"{prefix}.mlp_norm")
         self.mlp = (MoE(ops, groups, arch, index, dtype, capacity_factor) if arch.experts_in(index) else
                     MLP(ops, groups.tp, arch, f"{prefix}.mlp", dtype))
@@ -47,10 +49,16 @@ class Block:
 
 class Decoder:
     """Embeddings, blocks, final norm and LM head -- or, on a pipeline stage, the part of them that stage holds.
-    `embed_tokens`, `run_layers` and `logits` are the three pieces a stage may run; `forward` runs all three."""
+    `embed_tokens`, `run_layers` and `logits` are the three pieces a stage may run; `forward` runs all three.
+
+    Built whole: kv_format is `[model] kv_cache` (a quant.kv.KVFormat, None = float32; the generate loop builds
+    its caches so), attention_topk `[generate] attention_topk` (fraction of cached positions each decode query
+    keeps; 0 = dense), and weights, when the weights are offloaded, a function of the blocks that makes their
+    weight source (offload.tiers.WeightTiers: run_layers fetches and releases each layer's weights around it)."""
 
     def __init__(self, ops, groups, arch, dtype: str = "float32", stage: StageSpec | None = None,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None, *, kv_format=None, attention_topk: float = 0.0,
+                 weights=None):
         self.ops, self.tp, self.arch, self.dtype = ops, groups.tp, arch, dtype
         self.stage = stage or StageSpec(0, 1, 0, arch.num_layers)
         first, last = self.stage.is_first, self.stage.is_last
@@ -58,9 +66,10 @@ class Decoder:
         self.positions = Replicated(ops, "embed.positions") if first and arch.position == "learned" else None
         self.rope = (RotaryTable(ops, arch.rotary_dim, arch.rope_theta, arch.max_positions)
                      if arch.position == "rotary" else None)
-        self.blocks = [Block(ops, groups, arch, i, dtype, capacity_factor) for i in self.stage.layers]
-        self.weights = None                                   # a WeightTiers when weights are offloaded
-        self.kv_format = None                                 # quant.kv.KVFormat of the KV caches; None = float32
+        self.blocks = [Block(ops, groups, arch, i, dtype, capacity_factor, attention_topk)
+                       for i in self.stage.layers]
+        self.weights = weights(self.blocks) if weights is not None else None    # None: every weight on the device
+        self.kv_format = kv_format                            # quant.kv.KVFormat of the KV caches; None = float32
         self.final_norm = Norm(ops, arch, "final_norm") if last else None
         self.lm_head = None
         if last:                                      # tied: the first stage's table, or the last stage's own copy
@@ -69,8 +78,9 @@ class Decoder:
                             VocabParallelEmbedding(ops, self.tp, head_name, arch.vocab_size, dtype))
 
     def set_attention(self, kv_format=None, topk: float = 0.0) -> "Decoder":
-        """`[model] kv_cache` (a quant.kv.KVFormat, None = float32; the generate loop builds its caches so) and
-        `[generate] attention_topk` (fraction of cached positions each decode query keeps; 0 = dense)."""
+        """Change the KV format and top-k attention of this model in place (the constructor's kv_format and
+        attention_topk) and return it: for trying one loaded model with several settings (tests, notebooks).
+        `hpcinfer run` builds its model with them instead."""
         self.kv_format = kv_format
         for block in self.blocks:
             block.attn.topk = float(topk)
@@ -84,9 +94,11 @@ class Decoder:
     def num_local_layers(self) -> int:
         return len(self.blocks)
 
-    def load(self, ckpt, after_block=None):
+    def load(self, ckpt, after_block=None, quantize=None):
         """Read this rank's shard of the tensors of its stage. `after_block(i)` runs once block i is loaded (the
-        offload tiers move its weights out before the next one is read)."""
+        offload tiers move its weights out before the next one is read). quantize: what `[model] quantize`
+        quantizes while loading (quant.storage.load_quant's value; None: nothing)."""
+        ckpt = quantizing_reader(ckpt, quantize)
         parts = [self.embed, self.positions, self.final_norm]
         if self.lm_head is not self.embed:
             parts.append(self.lm_head)

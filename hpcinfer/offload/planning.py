@@ -13,7 +13,7 @@ from ..checkpoint.presets import PRESETS
 from ..errors import ConfigError
 from ..quant.formats import QuantError
 from ..quant.kv import kv_format
-from ..quant.storage import configure, quant_of
+from ..quant.storage import LoadQuant, load_quant, quant_of
 
 
 def planned_model(spec: str):
@@ -31,10 +31,8 @@ def planned_quant_of(model: str, arch, quantize: str, group: int):
     as `[model] quantize` is), or `quantize` applied to float weights (a preset, or a float checkpoint)."""
     if model.endswith((".h5", ".hdf5")) and os.path.exists(model):
         with open_checkpoint(model) as ckpt:
-            configure(ckpt, quantize, group)
-            return quant_of(ckpt)
-    wanted = None if quantize == "none" else (quantize, group)
-    return quant_of(types.SimpleNamespace(arch=arch, load_quant=wanted))
+            return quant_of(ckpt, load_quant(ckpt, quantize, group))
+    return quant_of(types.SimpleNamespace(arch=arch), None if quantize == "none" else LoadQuant(quantize, group))
 
 
 def planned_kv_format(kv_cache: str, group: int, head_dim: int):

@@ -13,6 +13,7 @@ head. Norms, biases, position tables, MoE routers and expert stacks stay in the 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import numpy as np
 
@@ -85,11 +86,60 @@ def quantized_nbytes(mode: str, rows: int, cols: int, group_size: int = DEFAULT_
     return rows * cols * bits // 8 + groups * 4 * (1 if symmetric else 2)       # float32 scale (and min)
 
 
-def quant_of(ckpt):
-    """tensor name -> (mode, group_size) for each tensor this checkpoint's model holds quantized (stored so, or
-    quantized while it loads by `[model] quantize`), else None. Read now: it stays valid once the file is closed."""
-    file = getattr(ckpt, "file", None)
+class LoadQuant(NamedTuple):
+    """`[model] quantize` as one load applies it: a float checkpoint's quantizable matrices become `mode`, in
+    groups of `group_size`, as they are read."""
+    mode: str
+    group_size: int
+
+
+def load_quant(ckpt, mode: str, group_size: int = DEFAULT_GROUP) -> LoadQuant | None:
+    """Check `[model] quantize` against the checkpoint and say what to quantize while loading: a LoadQuant for a
+    float checkpoint (pass it to Decoder.load / Encoder.load, quant_of), None when nothing is (quantize = "none",
+    or a quantized checkpoint, which keeps its own format). On a quantized checkpoint, quantize = "none" (the
+    default) uses the stored weights as they are, whatever quantize_group says; naming the stored mode is accepted
+    too, but then a group-wise (int4, asym8) quantize_group must equal the stored group size; any other mode is an
+    error. The checkpoint is not changed."""
+    if mode not in LOAD_MODES:
+        raise ConfigError(f"[model] quantize = {mode!r} is not allowed; choose one of {', '.join(LOAD_MODES)}")
+    stored = getattr(ckpt, "quantization", "none")
+    if stored == "none":
+        return None if mode == "none" else LoadQuant(mode, group_size)
+    if mode != "none":
+        _check_stored_mode(ckpt, stored, mode, group_size)
+    return None
+
+
+class QuantizingReader:
+    """A checkpoint reader as one model load sees it: every attribute of `ckpt` (the reading interface of
+    checkpoint.format.Checkpoint or a PresetSource), plus `load_quant`, what load_matrix quantizes while reading.
+    The wrapped reader is not changed, so one open checkpoint can feed loads of different settings."""
+
+    def __init__(self, ckpt, quant: LoadQuant):
+        self.ckpt, self.load_quant = ckpt, quant
+
+    def __getattr__(self, name: str):                # only names this view does not hold itself
+        return getattr(self.ckpt, name)
+
+
+def quantizing_reader(ckpt, quant: LoadQuant | None):
+    """The reader a load reads through: `ckpt` itself when nothing is quantized while loading."""
+    return ckpt if quant is None else QuantizingReader(ckpt, quant)
+
+
+def _wanted(ckpt) -> LoadQuant | None:
+    """What the reader a load reads through quantizes while loading: a QuantizingReader's load_quant (or one that
+    configure() recorded on the reader itself), else nothing."""
     wanted = getattr(ckpt, "load_quant", None)
+    return None if wanted is None else LoadQuant(*wanted)
+
+
+def quant_of(ckpt, quant: LoadQuant | None = None):
+    """tensor name -> (mode, group_size) for each tensor this checkpoint's model holds quantized (stored so, or
+    quantized while it loads by `[model] quantize`: `quant`, load_quant's value; when not given, what the reader
+    carries), else None. Read now: it stays valid once the file is closed."""
+    file = getattr(ckpt, "file", None)
+    wanted = quant if quant is not None else _wanted(ckpt)
     modes = {}
     for name in tensor_shapes(ckpt.arch):
         if file is not None and is_stored_quantized(file, name):
@@ -100,18 +150,13 @@ def quant_of(ckpt):
     return modes.get
 
 
-def configure(ckpt, mode: str, group_size: int = DEFAULT_GROUP) -> None:
-    """Apply `[model] quantize`: a float checkpoint is quantized layer by layer while it loads; a quantized one
-    keeps its own format. On a quantized checkpoint, quantize = "none" (the default) uses the stored weights as they
-    are, whatever quantize_group says; naming the stored mode is accepted too, but then a group-wise (int4, asym8)
-    quantize_group must equal the stored group size; any other mode is an error."""
-    if mode not in LOAD_MODES:
-        raise ConfigError(f"[model] quantize = {mode!r} is not allowed; choose one of {', '.join(LOAD_MODES)}")
-    stored = getattr(ckpt, "quantization", "none")
-    if stored == "none":
-        ckpt.load_quant = None if mode == "none" else (mode, group_size)
-    elif mode != "none":
-        _check_stored_mode(ckpt, stored, mode, group_size)
+def configure(ckpt, mode: str, group_size: int = DEFAULT_GROUP) -> LoadQuant | None:
+    """load_quant, also recorded on `ckpt` (its `load_quant`) so that a later `Decoder(...).load(ckpt)` or
+    quant_of(ckpt) applies it: the shorthand tests and benchmarks use on a reader they hold. The runtime and the
+    Python API pass load_quant's value explicitly instead, and leave the checkpoint as it was opened."""
+    quant = load_quant(ckpt, mode, group_size)
+    ckpt.load_quant = quant
+    return quant
 
 
 def _check_stored_mode(ckpt, stored: str, mode: str, group_size: int) -> None:
@@ -152,7 +197,7 @@ def load_matrix(ckpt, name: str, rows: slice | None = None, cols: slice | None =
     file = getattr(ckpt, "file", None)
     if file is not None and is_stored_quantized(file, name):
         return read_quantized(file, name, rows, cols)
-    wanted = getattr(ckpt, "load_quant", None)
+    wanted = _wanted(ckpt)                                           # QuantizingReader (Decoder.load)
     if wanted is None or not is_quantizable(name):
         return None
     mode, group_size = wanted
