@@ -16,6 +16,7 @@ from .backend.interface import BACKENDS
 from .checkpoint.presets import PRESETS
 from .comm.nccl_group import COMMS
 from .errors import ConfigError
+from .offload.placement import PAIRS, PERCENT_RULE, SCHEDULES, fills_100, is_percent, over_100
 from .quant.formats import LOAD_MODES
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -80,7 +81,7 @@ class ParallelSection:
 
 
 def _percent(v):
-    return 0.0 <= v <= 100.0, "must be a percentage in [0, 100]"
+    return is_percent(v), PERCENT_RULE
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class OffloadSection:
     disk_dir: str | None = field(default=None, metadata=_meta("directory for weights on disk", _path))
     prefetch_layers: int = field(default=1, metadata=_meta("layers fetched ahead of use", _non_negative))
     schedule: str = field(default="row", metadata=_meta("row (ZeRO-Inference) or zigzag (FlexGen block schedule)",
-                                                        choices=("row", "zigzag")))
+                                                        choices=SCHEDULES))
     gpu_batch_size: int = field(default=0, metadata=_meta("sequences per GPU batch; 0 = batch_size / "
                                                           "num_gpu_batches", _non_negative))
     num_gpu_batches: int = field(default=1, metadata=_meta("GPU batches per block (zig-zag)", _positive))
@@ -367,16 +368,17 @@ def _check_cuda_graphs(path: str, config) -> None:
 
 
 def _check_offload(path: str, config) -> None:
+    """The placement rules (offload/placement.py) and what the runtime's schedules can hold."""
     off = config.offload
-    for a, b in (("weights_gpu", "weights_cpu"), ("cache_gpu", "cache_cpu"), ("act_gpu", "act_cpu")):
-        if getattr(off, a) + getattr(off, b) > 100 + 1e-6:
+    for a, b in PAIRS:
+        if over_100(getattr(off, a), getattr(off, b)):
             raise ConfigError(f"{path}: offload.{a} + offload.{b} = {getattr(off, a) + getattr(off, b)} is above "
                               f"100 (percent)")
-    if abs(off.cache_gpu + off.cache_cpu - 100) > 1e-6:
+    if not fills_100(off.cache_gpu, off.cache_cpu):
         raise ConfigError(f"{path}: offload.cache_gpu + offload.cache_cpu = {off.cache_gpu + off.cache_cpu:g} must "
                           f"be 100: the KV cache has no disk tier in this runtime (rows on the device, the rest in "
                           f"host memory)")
-    if abs(off.act_gpu + off.act_cpu - 100) > 1e-6:
+    if not fills_100(off.act_gpu, off.act_cpu):
         raise ConfigError(f"{path}: offload.act_gpu + offload.act_cpu = {off.act_gpu + off.act_cpu:g} must be 100: "
                           f"activations have no disk tier in this runtime (rows on the device, the rest in host "
                           f"memory)")

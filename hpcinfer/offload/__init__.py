@@ -2,6 +2,8 @@
 
 Planning (no model is run):
   policy.py      the `[offload]` policy (FlexGen's Policy): block shape, placement percentages, schedule
+  placement.py   the placement rules (percent ranges, device + host <= 100 per pair, schedules): the config's
+                 check and Policy's
   profile.py     a machine's capacities, bandwidths and rates (measured, or a preset), as flat TOML
   cost_model.py  FlexGen's per-layer cost model: predicted time, throughput, latency, peak memory per tier
   lp.py          the placement LP (scipy's HiGHS) and the (gpu_batch_size, num_gpu_batches) search

@@ -140,11 +140,7 @@ def predicted_vs_measured(arch, config, prompt_lengths: list, blocks: int, measu
     off = config.offload
     if off.profile is None:
         return None
-    batch = config.generate.batch_size
-    policy = Policy(gpu_batch_size=off.gpu_batch_size or max(1, batch // off.num_gpu_batches),
-                    num_gpu_batches=off.num_gpu_batches, weights_gpu=off.weights_gpu, weights_cpu=off.weights_cpu,
-                    cache_gpu=off.cache_gpu, cache_cpu=off.cache_cpu, act_gpu=off.act_gpu, act_cpu=off.act_cpu,
-                    cpu_attention=off.cpu_attention, prefetch_layers=off.prefetch_layers, schedule=off.schedule)
+    policy = Policy.from_section(off, config.generate.batch_size)
     prompt_len = max(1, round(sum(prompt_lengths) / len(prompt_lengths)))
     model = CostModel(arch, prompt_len, config.generate.max_new_tokens, resolve_profile(off.profile),
                       config.model.dtype, quant_of, kv_format_of(config, arch))

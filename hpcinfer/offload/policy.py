@@ -6,16 +6,15 @@ the activations at tensor granularity (that share of every tensor's elements), a
 them. Percentages are of the whole; the disk tier holds the rest of each triple. The runtime (offload/zigzag.py)
 holds the cache split by (sequence, KV head) rows and the activations split by token rows, between device and
 host only (both on the device under the row schedule): config._check_offload refuses other values, and lp.py
-never proposes them.
+never proposes them. The placement rules both check are offload/placement.py's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from .placement import PAIRS, PERCENT_RULE, SCHEDULES, is_percent, over_100
 from .tiers import place_layers
-
-SCHEDULES = ("zigzag", "row")
 
 
 @dataclass(frozen=True)
@@ -42,18 +41,26 @@ class Policy:
         if isinstance(self.prefetch_layers, bool) or not isinstance(self.prefetch_layers, int) \
                 or self.prefetch_layers < 0:
             raise ValueError(f"prefetch_layers must be an integer >= 0, got {self.prefetch_layers!r}")
-        for gpu, cpu in (("weights_gpu", "weights_cpu"), ("cache_gpu", "cache_cpu"), ("act_gpu", "act_cpu")):
+        for gpu, cpu in PAIRS:
             for name in (gpu, cpu):
                 value = getattr(self, name)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-                    raise ValueError(f"{name} must be a percentage in [0, 100], got {value!r}")
-            if getattr(self, gpu) + getattr(self, cpu) > 100 + 1e-9:
+                if not is_percent(value):
+                    raise ValueError(f"{name} {PERCENT_RULE}, got {value!r}")
+            if over_100(getattr(self, gpu), getattr(self, cpu)):
                 raise ValueError(f"{gpu} + {cpu} = {getattr(self, gpu) + getattr(self, cpu):g} must be <= 100 "
                                  f"(the disk holds the rest)")
         if not isinstance(self.cpu_attention, bool):
             raise ValueError(f"cpu_attention must be true or false, got {self.cpu_attention!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+    @classmethod
+    def from_section(cls, section, batch_size: int) -> "Policy":
+        """The policy a run's `[offload]` section (config.OffloadSection) states; batch_size: its `[generate]`
+        batch_size, the block, which gives the GPU batch when the section leaves gpu_batch_size = 0."""
+        values = {f.name: getattr(section, f.name) for f in fields(cls)}
+        values["gpu_batch_size"] = section.gpu_batch_size or max(1, batch_size // section.num_gpu_batches)
+        return cls(**values)
 
     # -- derived values --
 
