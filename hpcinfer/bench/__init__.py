@@ -1,15 +1,14 @@
-"""`hpcinfer bench`: the papers' workloads as named suites, run as real `hpcinfer run` jobs, with the baselines in
-the same run, a results JSON (schema.py), a markdown report and plots (report.py). docs/bench.md.
+"""Benchmarks: the suite runner behind `hpcinfer bench` and the single-question benchmark scripts, with what both
+share. Results go to bench/results/ of the repository (bench/README.md).
 
-    main.py         the `hpcinfer bench` command
+    suites/         `hpcinfer bench CONFIG`: the papers' workloads as named suites over the layouts of a bench
+                    config, each cell a real `hpcinfer run` job, the baselines in the same run, a results JSON,
+                    a markdown report and plots (docs/bench.md)
+    scripts/        one question each, run from the repository root as `python -m hpcinfer.bench.scripts.NAME`
+                    (make bench-cpu, bench-gpu, ...; docs/bench-scripts.md): cpu, pipeline, moe, offload, gpu,
+                    quant, encoder, perplexity, planner_check
 
-    common.py       machine info, quiet-machine checks, prompts, the results tail (also used by bench/*.py)
-    suites.py       the bench config and the suites' defaults
-    plan.py         which cells a suite runs (layouts x batches x variants) and its prompts
-    cells.py        one cell = one generated config launched under mpiexec/srun; its metrics
-    figures.py      figures from a job's metrics, medians, ratios, the machine's read bandwidth
-    hf_baseline.py  the Hugging Face transformers baseline (in process)
-    run.py          the rounds and the results
-    schema.py       the results' JSON Schema
-    report.py       markdown + PNG plots from a results file
+    common.py       what both use: the machine's description, quiet-machine checks, prompts of real text, token
+                    agreement, the logger
+    hf_baseline.py  the Hugging Face transformers baseline, in process (the suites' baseline and scripts/cpu.py)
 """

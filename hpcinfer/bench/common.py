@@ -1,11 +1,9 @@
-"""What every benchmark shares: the machine's description, how busy the rest of the machine was while we measured
-(the quiet-machine checks), prompts of real text, token agreement, and the results-writing tail
-(`<out>/<name>-<date>.json` + `.md`). Used by `hpcinfer bench` and by the scripts in bench/ (bench/README.md).
+"""What the suite runner (suites/) and the benchmark scripts (scripts/) share: the machine's description, how busy
+the rest of the machine was while we measured (the quiet-machine checks), prompts of real text, token agreement.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -199,60 +197,3 @@ def agreement(a: list, b: list) -> dict:
             n += 1
         prefixes.append(n)
     return {"common_prefix": prefixes, "min": min(prefixes) if prefixes else 0, "length": len(a[0]) if a else 0}
-
-
-# ---- the results tail ------------------------------------------------------------------------------------------
-
-def write_results(out: str | Path, name: str, result: dict, markdown: str, log=None) -> Path:
-    """`<out>/<name>-<date>.json` (the whole result) and `.md` (the report); prints the report, logs the paths
-    and every warning in result["warnings"]. Returns the stem."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{name}-{result['date']}"
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    Path(f"{stem}.md").write_text(markdown)
-    print(markdown)
-    if log is not None:
-        elapsed = result.get("elapsed_s")
-        log(f"wrote {stem}.json and {stem}.md" + (f" in {elapsed:.0f} s" if elapsed is not None else ""))
-        for w in result.get("warnings") or []:
-            log(f"warning: {w}")
-    return stem
-
-
-# ---- the device of a backend -----------------------------------------------------------------------------------
-
-def sync_device(ops) -> None:
-    """Wait for the work queued on the ops' GPU (a no-op on the NumPy backend): timers start and stop after it."""
-    if getattr(ops, "name", "numpy") == "cupy":
-        ops.xp.cuda.Device().synchronize()
-
-
-def pool_used_bytes(ops) -> int | None:
-    """Bytes in use in cupy's default device memory pool (what our arrays hold on the GPU); None on NumPy."""
-    if getattr(ops, "name", "numpy") != "cupy":
-        return None
-    return int(ops.xp.get_default_memory_pool().used_bytes())
-
-
-def device_info(ops) -> dict:
-    """The backend, and on cupy the GPU's name, memory, compute capability and the cupy / CUDA versions."""
-    import numpy as np
-
-    info = {"backend": getattr(ops, "name", "numpy"), "numpy": np.__version__}
-    if info["backend"] != "cupy":
-        return info
-    cp = ops.xp
-    info["cupy"] = getattr(cp, "__version__", None)
-    try:
-        rt = cp.cuda.runtime
-        dev = rt.getDevice()
-        props = rt.getDeviceProperties(dev)
-        name = props.get("name", b"")
-        info.update(device=dev, device_name=name.decode() if isinstance(name, bytes) else str(name),
-                    device_memory_GiB=round(props.get("totalGlobalMem", 0) / 2**30, 1),
-                    compute_capability=f"{props.get('major')}.{props.get('minor')}",
-                    cuda_runtime=rt.runtimeGetVersion(), cuda_driver=rt.driverGetVersion())
-    except Exception as e:  # noqa: BLE001 - a description, never a reason to lose the measurements
-        info["device_error"] = f"{type(e).__name__}: {e}"
-    return info

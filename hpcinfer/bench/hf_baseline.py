@@ -1,6 +1,6 @@
 """The Hugging Face transformers baseline: the same weights (the GGUF file or Hugging Face folder an hpcinfer
 checkpoint was converted from) in float32, greedy generation in a manual loop so that prefill and every decode
-step are timed the way hpcinfer times them (bench/README.md, docs/bench.md). Needs torch and transformers (the
+step are timed the way hpcinfer times them (docs/bench-scripts.md, docs/bench.md). Needs torch and transformers (the
 `test` extra).
 
 Where it runs follows hpcinfer's cells (pick_device): on the CPU against the NumPy backend; against the cupy

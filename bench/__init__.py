@@ -1,1 +1,0 @@
-"""Benchmarks of hpcinfer against reference implementations (see bench/README.md)."""

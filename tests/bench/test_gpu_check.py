@@ -1,0 +1,126 @@
+"""gpu/check.py (`make gpu-check`), the one-call GPU window, rehearsed without a GPU on the CPU stand-in of
+cupy: its steps write their result files as they end (8 at most, as the device tool brings back), the budget cuts
+steps instead of overrunning, and MPI is made loadable from the carried mpich wheel when the image's mpi4py finds
+no library (simulated here with an mpi4py that loads only with that wheel's lib/ on LD_LIBRARY_PATH)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from gpu import check as gpu_check
+
+RETURNED_AT_MOST = 8                        # files the device tool brings back from $OUT
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_rehearsal_writes_each_steps_file(tmp_path):
+    out = tmp_path / "out"
+    assert gpu_check.main(["--fake", "--steps", "env,e2e,decode,memcheck", "--out", str(out),
+                           "--carry", str(tmp_path / "none")]) == 0
+    s = summary(out)
+    assert s["fake"] is True and s["failed_steps"] == 0
+    assert [s["steps"][name]["rc"] for name in ("env", "e2e", "decode", "memcheck")] == [0, 0, 0, 0]
+    assert s["steps"]["memcheck"]["skipped"] == "compute-sanitizer needs a GPU"
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["decode.json", "e2e.xml", "env.json", "log.txt", "summary.json"]
+    assert len(files) <= RETURNED_AT_MOST
+    env = json.loads((out / "env.json").read_text())
+    assert env["emulated"] is True and env["commit"] and "mpi" in env and "nvrtc" in env
+    decode = json.loads((out / "decode.json").read_text())["sections"]
+    assert set(decode["decode"]) == {"tiny-dense", "tiny-dense x2"} and decode["copy"]["GBps"] > 0
+    assert 'failures="0"' in (out / "e2e.xml").read_text()
+    assert gpu_check.main(["--report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| e2e | 0 |" in text and "7 tests, 0 failed" in text and "tiny-dense x2:" in text
+
+
+def test_every_step_names_at_most_eight_files():
+    """ops, e2e, memcheck, smollm2 (junit), env, decode (JSON), summary.json and log.txt."""
+    step_files = {"env.json", "ops.xml", "e2e.xml", "decode.json", "memcheck.xml", "smollm2.xml"}
+    assert len(step_files | {"summary.json", "log.txt"}) == RETURNED_AT_MOST
+    assert gpu_check.STEPS == ("mpi", "env", "ops", "e2e", "decode", "memcheck", "smollm2")
+
+
+def test_the_budget_cuts_steps_instead_of_overrunning(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 5)
+    out = tmp_path / "out"
+    gpu_check.main(["--fake", "--steps", "env,decode", "--budget", "4", "--out", str(out)])
+    s = summary(out)
+    assert s["steps"]["env"]["rc"] is None and "out of time" in s["steps"]["env"]["skipped"]
+    assert s["steps"]["decode"]["rc"] is None and s["elapsed_s"] < 4
+
+
+def test_a_step_over_its_limit_is_killed_and_recorded(tmp_path):
+    check = gpu_check.Check(tmp_path, True, gpu_check.time.monotonic() + 60, tmp_path, "c0ffee")
+    rc, seconds, timed_out = check.run("sleeper", ["sleep", "30"], 1)
+    assert timed_out and rc != 0 and seconds < 10
+    assert "sleeper: rc" in (tmp_path / "log.txt").read_text()
+
+
+def fake_mpich_wheel(folder: Path) -> Path:
+    """A wheel laid out as mpich's: <name>.data/data/{lib,bin}/..., mpiexec executable."""
+    folder.mkdir(parents=True)
+    wheel = folder / "mpich-9.9-py3-none-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("mpich-9.9.dist-info/METADATA", "Name: mpich\n")
+        z.writestr("mpich-9.9.data/data/lib/libmpi.so.12", "not a real library")
+        info = zipfile.ZipInfo("mpich-9.9.data/data/bin/mpiexec")
+        info.external_attr = (stat.S_IFREG | 0o755) << 16
+        z.writestr(info, "#!/bin/sh\n")
+    return wheel
+
+
+def test_unpack_keeps_the_library_folder_and_executables(tmp_path):
+    wheel = fake_mpich_wheel(tmp_path / "whl")
+    gpu_check.unpack_mpich(str(wheel), tmp_path / "mpich")
+    assert (tmp_path / "mpich" / "lib" / "libmpi.so.12").read_text() == "not a real library"
+    assert os.access(tmp_path / "mpich" / "bin" / "mpiexec", os.X_OK)
+
+
+def test_mpi_step_falls_back_to_the_carried_mpich(tmp_path, monkeypatch):
+    """The image's mpi4py raises 'cannot load MPI library' unless the carried lib/ is on LD_LIBRARY_PATH: the step
+    unpacks the wheel, sets LD_LIBRARY_PATH and PATH for the later steps, and the probe then passes."""
+    mpi_dir = tmp_path / "unpacked"
+    monkeypatch.setattr(gpu_check, "MPI_DIR", mpi_dir)
+    fake_mpich_wheel(tmp_path / "carry" / "whl")
+    package = tmp_path / "site" / "mpi4py"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "MPI.py").write_text(
+        "import os\n"
+        f"if {str(mpi_dir / 'lib')!r} not in os.environ.get('LD_LIBRARY_PATH', '').split(os.pathsep):\n"
+        "    raise RuntimeError('cannot load MPI library')\n"
+        "def Get_library_version():\n    return 'fake MPICH from the carried wheel'\n")
+    check = gpu_check.Check(tmp_path, True, gpu_check.time.monotonic() + 120, tmp_path / "carry", "c0ffee")
+    check.env["PYTHONPATH"] = str(tmp_path / "site")
+    result = gpu_check.step_mpi(check)
+    assert result["rc"] == 0 and "unpacked" in result["note"], result
+    assert check.env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(mpi_dir / "lib")
+    assert check.env["PATH"].split(os.pathsep)[0] == str(mpi_dir / "bin")
+    assert "cannot load MPI library" in (tmp_path / "log.txt").read_text()     # the image's probe failed first
+
+
+def test_without_a_wheel_the_mpi_step_says_what_to_carry(tmp_path):
+    package = tmp_path / "site" / "mpi4py"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "MPI.py").write_text("raise RuntimeError('cannot load MPI library')\n")
+    check = gpu_check.Check(tmp_path, True, gpu_check.time.monotonic() + 60, tmp_path / "carry", "c0ffee")
+    check.env["PYTHONPATH"] = str(tmp_path / "site")
+    result = gpu_check.step_mpi(check)
+    assert result["rc"] == 1 and "make gpu-carry" in result["note"]
+
+
+@pytest.mark.parametrize("steps", ["env,nonsense"])
+def test_unknown_steps_are_refused(tmp_path, steps):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--fake", "--steps", steps, "--out", str(tmp_path)])
