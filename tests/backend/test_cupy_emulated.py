@@ -20,7 +20,7 @@ import pytest
 import emu_cupy as emu
 import test_cupy_ops as gpu_cases
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 
 pytestmark = pytest.mark.skipif(emulate.unavailable() is not None,
                                 reason=f"kernel emulator unavailable: {emulate.unavailable()}")

@@ -20,7 +20,7 @@ import pytest
 
 from hpcinfer.backend import cupy_moe, moe_ops
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 from hpcinfer.parallel.moe_dispatch import Dispatcher
 
 F32 = np.float32

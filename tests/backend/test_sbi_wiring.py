@@ -4,10 +4,10 @@
 2. NumpyOps.fused_linear is exactly the unfused sequence, and the model's fused calls change no bit of NumPy logits
    or greedy tokens (every family of tests/helpers/hf_models.py).
 3. cupy_sbi.fused_linear itself, with a NumPy stand-in for CupyOps whose kernels run on the CPU emulator
-   (hpcinfer.kernels.emulate): the defines, grids and arguments the wrapper computes, against NumpyOps (slow: a g++
-   build per define set, cached under build/kernel-emu/).
-4. CupyOps.linear / fused_linear and a tiny Llama's greedy tokens on tests/helpers/emu_cupy/ (and on a GPU when there is
-   one) against NumpyOps, for T in {1, 3, 16, 17} and float32 / float16 / bfloat16 weights.
+   (tests/helpers/kernel_emulator.py): the defines, grids and arguments the wrapper computes, against NumpyOps (slow: a
+   g++ build per define set, cached under build/kernel-emu/).
+4. CupyOps.linear / fused_linear and a tiny Llama's greedy tokens on tests/helpers/emu_cupy/ (and on a GPU when there
+   is one) against NumpyOps, for T in {1, 3, 16, 17} and float32 / float16 / bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hpcinfer.backend import cupy_sbi
 from hpcinfer.backend.cupy_ops import CupyOps
 from hpcinfer.backend.interface import NormParams
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 
 F32 = np.float32
 OPS = NumpyOps()

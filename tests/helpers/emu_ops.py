@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 
 
 class EmulatedKernelOps:

@@ -24,7 +24,7 @@ from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
 from hpcinfer.generate.runner import Runner
 from hpcinfer.generate.schedules import run_block, zigzag
 from hpcinfer.generate.schedules.pipeline import generate_batch
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 from hpcinfer.model.transformer import Decoder
 from hpcinfer.runtime import _weight_tiers
 

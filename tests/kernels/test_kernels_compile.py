@@ -3,7 +3,7 @@
 1. Every kernel file compiles: NVRTC (the compiler cupy.RawModule uses, through cupy's low-level bindings) for sm_90
    and sm_80 in every storage type and the main #define variants, and nvcc where it is on the PATH.
 2. The GPU-free parts of hpcinfer.kernels: the kernel registry, source inlining, #define options, the SBI layout.
-3. Every kernel runs on the CPU emulator (hpcinfer.kernels.emulate) against its NumPy twin (marked slow).
+3. Every kernel runs on the CPU emulator (tests/helpers/kernel_emulator.py) against its NumPy twin (marked slow).
 
 The GPU parity tests of the CuPy backend (each op against NumPy on a device) are elsewhere and skip without a GPU.
 """
@@ -171,13 +171,13 @@ def test_sbi_layout_round_trip(dtype, n_in):
 
 
 # ---- the kernels run on the CPU emulator against their NumPy twins ---------------------------------------------
-# hpcinfer.kernels.emulate runs each kernel with one std::thread per CUDA thread: indexing, tails, masking, the
+# tests/helpers/kernel_emulator.py runs each kernel with one std::thread per CUDA thread: indexing, tails, masking, the
 # reductions and the epilogues are checked here, before any GPU time (speed and memory races are the GPU's tests).
 # Marked slow: ~80 s the first time (a g++ build per variant, cached under build/kernel-emu/), ~30 s after.
 from hpcinfer.backend import moe_ops                      # noqa: E402
 from hpcinfer.backend.interface import StepLayout         # noqa: E402
 from hpcinfer.backend.numpy_ops import NumpyOps           # noqa: E402
-from hpcinfer.kernels import emulate                      # noqa: E402
+import kernel_emulator as emulate  # noqa: E402
 
 EMU_SKIP = emulate.unavailable()
 needs_emulator = pytest.mark.skipif(EMU_SKIP is not None, reason=f"kernel emulator: {EMU_SKIP}")

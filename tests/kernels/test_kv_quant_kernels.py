@@ -17,7 +17,7 @@ from hpcinfer.backend import cupy_kv
 from hpcinfer.backend.cupy_ops import CupyOps
 from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 from hpcinfer.quant.formats import QuantError
 from hpcinfer.quant.kv import QuantizedKV, dequantize_rows, kv_format, quantize_rows
 

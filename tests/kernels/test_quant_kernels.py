@@ -1,6 +1,6 @@
 """Quantized weights on the CUDA backend (issue 7): cuda_src/quant_gemv.cu and quant_dequant.cu run on the CPU
-emulator (hpcinfer.kernels.emulate) against dequantize-then-matmul in float64, the quant layout's round trip, and
-the CuPy-side wrappers (backend/cupy_quant.py) driven over NumPy arrays against NumpyOps.linear_q / embedding_q.
+emulator (tests/helpers/kernel_emulator.py) against dequantize-then-matmul in float64, the quant layout's round trip,
+and the CuPy-side wrappers (backend/cupy_quant.py) driven over NumPy arrays against NumpyOps.linear_q / embedding_q.
 
 Tolerances. The kernels dequantize each weight as scale * q (+ min) in float32, the operations (and order) of
 quant.formats.dequantize, so with the emulator's -ffp-contract=off the dequantized weights are bit-identical to the
@@ -18,7 +18,8 @@ import pytest
 from hpcinfer.backend import cupy_quant
 from hpcinfer.backend.cupy_ops import CupyOps, gpu_available
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.kernels import emulate, layout
+import kernel_emulator as emulate
+from hpcinfer.kernels import layout
 from hpcinfer.quant.formats import dequantize, quantize
 
 from emu_ops import EmulatedKernelOps

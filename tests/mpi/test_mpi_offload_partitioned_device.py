@@ -32,7 +32,7 @@ from hpcinfer.generate.engine import GenerationParams, ScheduleParams, StepTimes
 from hpcinfer.generate.schedules.pipeline import generate_batch
 from hpcinfer.generate.runner import Runner
 from hpcinfer.generate.schedules import run_block
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 from hpcinfer.model.transformer import Decoder
 from hpcinfer import runtime
 from hpcinfer.offload.partition import LayerImage

@@ -10,7 +10,7 @@ import pytest
 
 import emu_cupy as emu
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 from hpcinfer.quant.storage import configure
 from offload_models import build, generate, make_prompts, offload, preset
 

@@ -149,7 +149,7 @@ def test_split_cpu_attention_on_emulated_cupy_gives_numpys_tokens_and_bytes(monk
     pageable asynchronous copy."""
     emu = pytest.importorskip("emu_cupy")
     from hpcinfer.backend.numpy_ops import NumpyOps
-    from hpcinfer.kernels import emulate
+    import kernel_emulator as emulate
 
     if emulate.unavailable() is not None:
         pytest.skip(f"kernel emulator unavailable: {emulate.unavailable()}")

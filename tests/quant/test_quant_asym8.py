@@ -258,7 +258,7 @@ def test_conflicting_setting_is_refused_by_hpcinfer_run(run_cli, repo_root, job,
 
 # ---- the CuPy path on the CPU stand-in (tests/helpers/emu_cupy/, kernels on the emulator) ----------------------------
 def _needs_emulator():
-    from hpcinfer.kernels import emulate
+    import kernel_emulator as emulate
 
     skip = emulate.unavailable()
     if skip is not None:

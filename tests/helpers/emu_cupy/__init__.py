@@ -6,7 +6,7 @@ wrap a NumPy array (their "device memory"); NumPy arrays are host arrays. As cup
 `np.ndarray` instances (a subclass would let `isinstance(x, np.ndarray)` host checks and `np.asarray(x)` pass here
 and fail on a GPU); a test may peek at the memory as `x._a` without a transfer. Kernels are really run:
 `RawModule(code=..., options=...)` compiles the *given source* with its -D options for the CPU emulator
-(hpcinfer.kernels.emulate: g++ + cuda_src/emu/cuda_emu.h, one fiber per CUDA thread, cached under
+(tests/helpers/kernel_emulator.py: g++ + tests/helpers/cuda_emu.h, one fiber per CUDA thread, cached under
 build/kernel-emu/), and `ElementwiseKernel` turns its CUDA snippet into a kernel (a grid-stride loop over i; raw
 params are pointers, other arrays are indexed by i, scalars by value) compiled the same way: the real snippets run.
 
@@ -102,7 +102,7 @@ import types
 
 import pytest
 
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 
 from . import pitched, state
 from .arrays import ndarray

@@ -1,6 +1,6 @@
 """Kernels of the fake cupy (tests/helpers/emu_cupy/): RawModule / RawKernel compile the given CUDA source with its -D
-options for the CPU emulator (hpcinfer.kernels.emulate) and check every launch's arguments; ElementwiseKernel turns its
-snippet into a grid-stride kernel compiled the same way. Launches run between poisoned guard margins."""
+options for the CPU emulator (tests/helpers/kernel_emulator.py) and check every launch's arguments; ElementwiseKernel
+turns its snippet into a grid-stride kernel compiled the same way. Launches run between poisoned guard margins."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 
-from hpcinfer.kernels import emulate
+import kernel_emulator as emulate
 
 from . import state
 from .arrays import _is_host_array, ndarray

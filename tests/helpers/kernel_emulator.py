@@ -1,11 +1,13 @@
 """Run the kernels of cuda_src/ on the CPU, on NumPy arrays, to check their logic against the NumPy ops with no GPU.
 
-`build(name, defines)` compiles cuda_src/{name}.cu with g++ and cuda_src/emu/cuda_emu.h forced in (blocks run in
-turn, one fiber per CUDA thread, barriers for __syncthreads and warp shuffles) into a shared library, cached
-under build/kernel-emu/ by a hash of the sources, defines and flags; `module.launch(function, grid, block, *args)`
-runs one kernel. Arguments follow the kernel's C signature, read from the source: NumPy arrays (or None, a null
-pointer) for pointers, Python numbers for scalars. `build_source(code, defines)` does the same for a source text
-(what tests/emu_cupy/, a CPU stand-in for cupy, gets from cupy.RawModule and ElementwiseKernel).
+Test-only (it does not ship in the package): the kernel tests, tests/helpers/emu_cupy/ and emu_ops.py import it by
+name, tests/helpers/ being on sys.path (tests/conftest.py). `build(name, defines)` compiles cuda_src/{name}.cu with
+g++ and cuda_emu.h (beside this file) forced in (blocks run in turn, one fiber per CUDA thread, barriers for
+__syncthreads and warp shuffles) into a shared library, cached under build/kernel-emu/ by a hash of the sources,
+defines and flags; `module.launch(function, grid, block, *args)` runs one kernel. Arguments follow the kernel's C
+signature, read from the source: NumPy arrays (or None, a null pointer) for pointers, Python numbers for scalars.
+`build_source(code, defines)` does the same for a source text (what tests/helpers/emu_cupy/, a CPU stand-in for
+cupy, gets from cupy.RawModule and ElementwiseKernel).
 
 This checks indexing, reductions, masking, tails and the epilogues; it says nothing about speed, and it is no
 memory-model checker (a missing __syncthreads can pass here): the GPU parity tests and compute-sanitizer are the
@@ -24,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .loader import CUDA_SRC, define_options
+from hpcinfer.kernels.loader import CUDA_SRC, define_options
 
-EMU_HEADER = CUDA_SRC / "emu" / "cuda_emu.h"
-BUILD_DIR = CUDA_SRC.parent / "build" / "kernel-emu"
+EMU_HEADER = Path(__file__).resolve().parent / "cuda_emu.h"
+BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "kernel-emu"       # the checkout's build/
 FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-w",
          "-ffp-contract=off",                     # no fused multiply-add: float results as IEEE operation by operation
          "-fno-gnu-unique", "-fvisibility=hidden")  # each library keeps its own static (shared-memory) variables
@@ -133,7 +135,7 @@ def build(name: str, defines: dict | None = None) -> EmulatedModule:
 def build_source(code: str, defines: dict | None = None, label: str = "source",
                  options: list[str] | tuple[str, ...] = ()) -> EmulatedModule:
     """A CUDA source text (local includes inlined, as loader.kernel_source gives it, or self-contained) compiled
-    for the CPU emulator with `defines` and extra -D `options` (cached like build). tests/emu_cupy/ compiles
+    for the CPU emulator with `defines` and extra -D `options` (cached like build). tests/helpers/emu_cupy/ compiles
     what cupy.RawModule and cupy.ElementwiseKernel are given through this."""
     options = [*define_options(defines), *options]
     bad = [o for o in options if not o.startswith("-D")]
