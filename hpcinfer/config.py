@@ -16,6 +16,7 @@ from .backend.interface import BACKENDS
 from .checkpoint.presets import PRESETS
 from .comm.nccl_group import COMMS
 from .errors import ConfigError
+from .generate.graphs import check_config as check_graphs_config
 from .offload.placement import PAIRS, PERCENT_RULE, SCHEDULES, fills_100, is_percent, over_100
 from .quant.formats import LOAD_MODES
 
@@ -318,7 +319,7 @@ def _build(path: str, raw: dict) -> Config:
                           f"on a GPU), or comm = \"mpi\"")
     _check_offload(path, config)
     _check_kv_cache(path, config)
-    _check_cuda_graphs(path, config)
+    check_graphs_config(config)
     batch = config.generate.batch_size if config.generate is not None else config.embed.batch_size
     for key in ("prompt_micro_batches", "gen_micro_batches"):
         value = getattr(config.schedule, key)
@@ -339,32 +340,6 @@ def _check_kv_cache(path: str, config) -> None:
     if config.generate is None:
         raise ConfigError(f"{path}: model.kv_cache = {config.model.kv_cache!r} applies to [generate] jobs; an "
                           f"[embed] job keeps no KV cache: remove it")
-
-
-def _check_cuda_graphs(path: str, config) -> None:
-    """What a captured decode step cannot hold: host MPI calls, host-side routing, streamed weights or KV. MoE
-    layers are known once the checkpoint is open (generate/graphs.check_model), `comm = "auto"` once resolved."""
-    rt, par = config.runtime, config.parallel
-    if not rt.cuda_graphs:
-        return
-    why = None
-    if rt.backend == "numpy":
-        why = "needs the cupy backend (graphs are CUDA's); use backend = \"cupy\" or \"auto\""
-    elif config.generate is None:
-        why = "applies to [generate] jobs (the decode step); an [embed] job has none"
-    elif rt.comm == "mpi" and par.tp > 1:
-        why = (f"with tp = {par.tp} needs comm = \"nccl\" or \"auto\": the tp collectives run inside the graph, "
-               f"and MPI calls cannot be captured")
-    elif config.offload.active:
-        why = "cannot capture layers whose weights or KV are streamed: remove [offload] (or its active keys)"
-    elif 0 < config.generate.attention_topk < 1:
-        why = ("cannot capture top-k sparse attention (generate.attention_topk): each step takes its kept counts "
-               "from the host; set attention_topk = 0")
-    elif config.schedule.kv_offload_bytes:
-        why = ("cannot capture layers whose KV moves to host memory: set schedule.kv_offload_threshold = 0 "
-               "(off)")
-    if why:
-        raise ConfigError(f"{path}: runtime.cuda_graphs = true {why}; or set cuda_graphs = false")
 
 
 def _check_offload(path: str, config) -> None:

@@ -11,9 +11,12 @@ The graphs hold the addresses of the KV cache they captured, so they live as lon
 (one per run and stage, held by the step runner, generate/runner.Runner.graphs) keeps one cache and its graphs across the batches of a
 run, zeroing the cache in place between batches, so that a run captures each (micro-batch size, KV bucket) once,
 not once per batch; a batch the cache cannot hold (more sequences, longer ones) replaces both. With a KV offload
-threshold a batch keeps its own cache and graphs, as before. What a captured step cannot hold is refused when the
-config is read (config._check_cuda_graphs) or, for what is known only later, here: MoE layers once the checkpoint
-is open (`check_model`), a tp group over MPI once `comm = "auto"` is resolved (`check_comm`).
+threshold a batch keeps its own cache and graphs, as before.
+
+What a captured step cannot hold is stated here, in the three checks at the end, each run where its facts are
+known (every rank, before any weight is read): `check_config` when the config is read (config.py), `check_model`
+once the checkpoint is open (MoE layers; job.py), `check_comm` once `comm = "auto"` is resolved (a tp group over
+MPI; runtime.py).
 """
 
 from __future__ import annotations
@@ -116,6 +119,33 @@ def batch_cache(model, schedule, run_graphs: RunGraphs, slots: int, max_len: int
         return cache, DecodeGraphs(model, cache, run_graphs.forward)
     graphs = run_graphs.batch(model, slots, max_len, make_cache)
     return graphs.cache, graphs
+
+
+def check_config(config) -> None:
+    """When the config is read: what a captured decode step cannot hold, as far as the config says (host MPI
+    calls, host-side routing, streamed weights or KV). MoE layers are known once the checkpoint is open
+    (check_model), `comm = "auto"` once resolved (check_comm)."""
+    rt, par = config.runtime, config.parallel
+    if not rt.cuda_graphs:
+        return
+    why = None
+    if rt.backend == "numpy":
+        why = "needs the cupy backend (graphs are CUDA's); use backend = \"cupy\" or \"auto\""
+    elif config.generate is None:
+        why = "applies to [generate] jobs (the decode step); an [embed] job has none"
+    elif rt.comm == "mpi" and par.tp > 1:
+        why = (f"with tp = {par.tp} needs comm = \"nccl\" or \"auto\": the tp collectives run inside the graph, "
+               f"and MPI calls cannot be captured")
+    elif config.offload.active:
+        why = "cannot capture layers whose weights or KV are streamed: remove [offload] (or its active keys)"
+    elif 0 < config.generate.attention_topk < 1:
+        why = ("cannot capture top-k sparse attention (generate.attention_topk): each step takes its kept counts "
+               "from the host; set attention_topk = 0")
+    elif config.schedule.kv_offload_bytes:
+        why = ("cannot capture layers whose KV moves to host memory: set schedule.kv_offload_threshold = 0 "
+               "(off)")
+    if why:
+        raise ConfigError(f"{config.path}: runtime.cuda_graphs = true {why}; or set cuda_graphs = false")
 
 
 def check_model(config, arch, ops) -> None:
