@@ -258,7 +258,7 @@ def test_key_errors_name_file_key_and_what_is_allowed(write, changes, fragments)
 
 
 @pytest.mark.parametrize("reader, what", [("hpcinfer.offload.profile:load_profile", "profile file"),
-                                          ("hpcinfer.bench.suites:load_bench_config", "bench config"),
+                                          ("hpcinfer.bench.suites.config:load_bench_config", "bench config"),
                                           ("hpcinfer.config:load_config", "config file")])
 @pytest.mark.parametrize("content, fragment", [(b"a = 1\n\xff\n", "is not UTF-8 text"),
                                                (b"a = " + b"9" * 5000 + b"\n", "is not valid TOML for hpcinfer"),
