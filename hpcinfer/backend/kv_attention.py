@@ -161,7 +161,7 @@ def _softmax(scores):
 # ---- CPU delegation over a split cache -------------------------------------------------------------------------
 
 class SplitRows:
-    """One layer's K (or V) of a GPU batch [N, Hkv, Lmax, X] placed by rows (offload/zigzag.py): row r = sequence
+    """One layer's K (or V) of a GPU batch [N, Hkv, Lmax, X] placed by rows (generate/schedules/zigzag.py): row r = sequence
     slot * Hkv + KV head; rows [0, R) are `device` [R, 1, Lmax, X] (None when R = 0), the rest `host`
     [N Hkv - R, 1, Lmax, X] (pinned host memory). Each part is a float array or a QuantizedKV. `link` counts the
     bytes split_attention sends over the link: [to the host, to the device]."""

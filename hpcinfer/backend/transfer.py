@@ -1,4 +1,4 @@
-"""Host <-> device copies for the offload tiers: the seam between what moves (offload/tiers.py, offload/zigzag.py)
+"""Host <-> device copies for the offload tiers: the seam between what moves (offload/tiers.py, generate/schedules/zigzag.py)
 and how a backend moves it. `ops.copy_engine()` gives one per user; its methods:
 
     host_buffer(shape, dtype) -> host array      a buffer the device copies at full speed (pinned memory on CUDA)

@@ -7,7 +7,7 @@ come back from the last stage, for as long as it has running sequences. So the p
 steps and its bubble is paid once per batch, and a micro-batch whose sequences all stopped simply leaves the queue.
 
 `simulate` plays that schedule with one time unit per (stage, micro-batch) step; the executor in
-generate/pipeline.py runs the same order over real messages, and the tests check it against this one.
+generate/schedules/pipeline.py runs the same order over real messages, and the tests check it against this one.
 """
 
 from __future__ import annotations

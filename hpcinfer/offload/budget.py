@@ -61,7 +61,7 @@ def plan_bytes(arch, config, stage, prompt_lengths: list, quant_of=None, fetch_s
 
 
 def kv_plan_bytes(arch, config, num_layers: int, prompt_lengths: list) -> tuple[int, int, int]:
-    """(device rows, host rows, staging buffers) bytes of the KV cache of a block, as offload/zigzag.py holds it."""
+    """(device rows, host rows, staging buffers) bytes of the KV cache of a block, as generate/schedules/zigzag.py holds it."""
     off, tp = config.offload, config.parallel.tp
     heads = arch.num_kv_heads // tp
     max_len = max(min(n + config.generate.max_new_tokens, arch.max_positions) for n in prompt_lengths)
@@ -75,7 +75,7 @@ def kv_plan_bytes(arch, config, num_layers: int, prompt_lengths: list) -> tuple[
 
 
 def host_attention_bytes(arch, config, prompt_lengths: list) -> int:
-    """Host scratch of CPU attention (offload/zigzag.py holds it): for the GPU batch with the most host rows h
+    """Host scratch of CPU attention (generate/schedules/zigzag.py holds it): for the GPU batch with the most host rows h
     (sequence x KV head), its float32 scores [h, g, Lmax] (g query heads a KV head) and, for a quantized cache,
     the float32 K and V it dequantizes [h, Lmax, hd] each; 0 without CPU attention or without a host row."""
     off, tp = config.offload, config.parallel.tp

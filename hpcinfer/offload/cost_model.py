@@ -7,7 +7,7 @@ state (D * 4: float32, as the runtime computes it whatever the dtype), q = bytes
 attention output has the same size).
 Placement fractions (the LP's variables): wg wc wd (weights), cg cc cd (KV cache), hg hc hd (activations).
 The cache fractions are of every GPU batch's (sequence, KV head) rows, the activation fractions of its hidden-
-state rows (tokens), as offload/zigzag.py holds them; the runtime has no disk tier for either, so lp.py pins
+state rows (tokens), as generate/schedules/zigzag.py holds them; the runtime has no disk tier for either, so lp.py pins
 cd = hd = 0 (and, for the row schedule, the cache and the activations on the device).
 
 Every cost term is a `Linear` function of the nine fractions, so the same expressions give the prediction for a
@@ -61,7 +61,7 @@ Peak memory per tier (FlexGen A.3's "home" plus working-set terms; the prefill p
   With CPU attention the cache may be split too: every row attends where it lies (device rows on the device,
   host rows on the host), so each attention term above goes with its share, cg at the device's rates and
   cc + cd at the host's, and only the host share's q and outputs cross: all linear in the fractions.
-  Staging (`Staging`, what offload/zigzag.py allocates): as soon as ANY cache row of a GPU batch is off the device
+  Staging (`Staging`, what generate/schedules/zigzag.py allocates): as soon as ANY cache row of a GPU batch is off the device
   (and attention is not delegated) the runtime holds two device buffers of one layer of a GPU batch's cache (one loading while the other
   computes), whatever the prefetch depth, and likewise two [b s, D] buffers for the activations; none while that
   part is wholly on the device. A step function, not linear: `CostTerms.peak` (the prediction) counts it exactly,
@@ -175,7 +175,7 @@ class ModelSizes:
 
 @dataclass(frozen=True)
 class Staging:
-    """The step term of one kind of tensor placed by rows (the KV cache, the activations), as offload/zigzag.py
+    """The step term of one kind of tensor placed by rows (the KV cache, the activations), as generate/schedules/zigzag.py
     holds it: of each of the `groups` GPU batches' `rows` rows, device_rows(rows, gpu %) stay on the device (the
     nearest whole row) and the rest live in host memory; as soon as ANY row is off the device the runtime holds
     two device staging buffers of one GPU batch's rows (`buffers` bytes: 0 when CPU attention reads the host cache

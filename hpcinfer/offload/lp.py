@@ -168,7 +168,7 @@ FIXABLE = {"weights_gpu": "wg", "weights_cpu": "wc", "weights_disk": "wd", "cach
            "cache_disk": "cd", "act_gpu": "hg", "act_cpu": "hc", "act_disk": "hd"}
 
 
-# What the runtime can hold (offload/zigzag.py): the KV cache and the activations on the device and in host
+# What the runtime can hold (generate/schedules/zigzag.py): the KV cache and the activations on the device and in host
 # memory, no disk share; the row schedule keeps both on the device (config refuses anything else there). The LP
 # never places data elsewhere, so a `plan` result runs as printed.
 RUNTIME_PINNED = {"cache_disk": 0.0, "act_disk": 0.0}
@@ -250,7 +250,7 @@ DELEGATED_CACHE_GPU_MAX = 0.99
 
 def _cache_bounds(bounds: list, cpu_attention: bool) -> list:
     """The bounds to solve with: CPU attention attends each row where it lies, device rows on the device and host
-    rows on the host (offload/zigzag.py), so any split of the cache is its to choose, cache_gpu in [0, 1): the
+    rows on the host (generate/schedules/zigzag.py), so any split of the cache is its to choose, cache_gpu in [0, 1): the
     device share is capped at DELEGATED_CACHE_GPU_MAX. Where cache_gpu may be 0 the cache wholly on the host is
     solved as a case of its own too (no rows to round, so no rounding slack: _case_problem)."""
     cg = VARIABLES.index("cg")

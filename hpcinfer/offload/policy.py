@@ -3,7 +3,7 @@
 A policy fixes the block schedule (how many GPU batches share one load of each layer's weights) and where each
 kind of tensor lives: the weights at layer granularity (that share of every layer's tensors), the KV cache and
 the activations at tensor granularity (that share of every tensor's elements), as FlexGen Section 4.2 defines
-them. Percentages are of the whole; the disk tier holds the rest of each triple. The runtime (offload/zigzag.py)
+them. Percentages are of the whole; the disk tier holds the rest of each triple. The runtime (generate/schedules/zigzag.py)
 holds the cache split by (sequence, KV head) rows and the activations split by token rows, between device and
 host only (both on the device under the row schedule): config._check_offload refuses other values, and lp.py
 never proposes them. The placement rules both check are offload/placement.py's.

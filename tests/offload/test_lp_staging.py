@@ -1,6 +1,6 @@
 """The planner's staging terms match the runtime, and the planner places activations (issue 6, offload planning).
 
-The runtime (offload/zigzag.py) holds the KV cache and the activations of each GPU batch by rows, the nearest
+The runtime (generate/schedules/zigzag.py) holds the KV cache and the activations of each GPU batch by rows, the nearest
 whole row of each share on the device (budget.device_rows), and as soon as ANY row is off the device two device
 staging buffers of one GPU batch's rows (two of one layer's cache of a batch; two [b s, D] hidden states): a
 step function of the placement. The cost model counts it exactly (CostTerms.peak, budget.kv_plan_bytes' bytes)

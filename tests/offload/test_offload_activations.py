@@ -1,6 +1,6 @@
 """The activations at tensor granularity (FlexGen Section 4.2, `act_gpu` / `act_cpu`): of every GPU batch's T_b
 hidden-state rows [T_b, D] between layers, device_rows(T_b, act_gpu) stay on the device and the rest go to host
-memory after each layer and come back before the next (offload/activations.py, run by offload/zigzag.py).
+memory after each layer and come back before the next (offload/activations.py, run by generate/schedules/zigzag.py).
 
 What must hold:
 - for act_gpu in {0, 30, 50, 100} x num_gpu_batches in {1, 3}, the cache on the device or in host memory, weights
