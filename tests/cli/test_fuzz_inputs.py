@@ -2,12 +2,16 @@
 
 Whatever the bytes, `load_config` returns a valid Config or raises one ConfigError naming the file or the --set item,
 and `load_prompts` returns prompts or raises one InputError naming the file (and line); never another exception.
+A valid Config holds exactly what the document and the --set items said, key by key, and the default of every key
+they left out.
 Runs are bounded and derandomized, so CI sees the same examples every time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import tomllib
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -15,7 +19,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hpcinfer.arch import ModelArch
-from hpcinfer.config import SECTIONS, Config, load_config
+from hpcinfer.config import JOB_SECTIONS, SECTIONS, Config, load_config
 from hpcinfer.errors import ConfigError, InputError
 from hpcinfer.generate.prompts import load_prompts
 from hpcinfer.generate.tokenizer import TextTokenizer
@@ -46,6 +50,24 @@ def config_or_error(path: str, overrides=()) -> Config | None:
         assert message.strip() and "\n" not in message, message            # one line
         assert path in message or "--set" in message, message
         return None
+
+
+def assert_holds(config: Config, path: str, document: dict) -> None:
+    """`config` holds exactly what the parsed `document` says: each key given, as given (an integer given to a
+    float key as that float), and each key left out at its default; a job section not given is None."""
+    assert config.path == path
+    for name, cls in SECTIONS.items():
+        section = getattr(config, name)
+        if name in JOB_SECTIONS and name not in document:
+            assert section is None, name
+            continue
+        given = document.get(name, {})
+        for f in dataclasses.fields(cls):
+            want = given.get(f.name, f.default)
+            if f.name in given and f.type.startswith("float"):
+                want = float(want)
+            got = getattr(section, f.name)
+            assert got == want and type(got) is type(want), f"{name}.{f.name} = {got!r}, the document said {want!r}"
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -81,15 +103,32 @@ def _toml_literal(value) -> str:
 KNOWN_KEYS = [(name, f) for name, cls in SECTIONS.items() for f in cls.__dataclass_fields__]
 
 
+def _plausible(section: str, key: str):
+    """Values the key may well take: one of its choices, or a small value of its type (the checks of a key's range
+    and across keys may still refuse it). Without these, hardly any drawn document is valid, and what a valid
+    config holds would go unchecked."""
+    f = SECTIONS[section].__dataclass_fields__[key]
+    if f.metadata["choices"]:
+        return st.sampled_from(f.metadata["choices"])
+    return {"bool": st.booleans(), "int": st.integers(0, 8),
+            "int | str": st.one_of(st.integers(0, 2**40), st.sampled_from(["512MB", "2GiB", "1.5KB", "0"]))}.get(
+        f.type, st.one_of(st.integers(0, 2), st.floats(0, 1)) if f.type.startswith("float")
+        else st.sampled_from(["m.h5", "out/o.jsonl", "tiny-dense"]))
+
+
 @st.composite
 def toml_documents(draw) -> str:
-    """The base job with some keys set to arbitrary values: known section/key pairs, and some unknown ones."""
+    """The base job with some keys set: mostly known section/key pairs, to plausible or arbitrary values, and some
+    unknown ones (about a fifth of the documents drawn are valid)."""
     lines = {}
     for _ in range(draw(st.integers(0, 5))):
-        section, key = draw(st.one_of(st.sampled_from(KNOWN_KEYS),
-                                      st.tuples(st.sampled_from(list(SECTIONS) + ["extra"]),
-                                                st.text("abcdefgh_", min_size=1, max_size=8))))
-        lines.setdefault(section, {})[key] = _toml_literal(draw(_toml_value()))
+        if draw(st.integers(0, 9)):
+            section, key = draw(st.sampled_from(KNOWN_KEYS))
+            value = draw(_plausible(section, key) if draw(st.integers(0, 4)) else _toml_value())
+        else:
+            section = draw(st.sampled_from(list(SECTIONS) + ["extra"]))
+            key, value = draw(st.text("abcdefgh_", min_size=1, max_size=8)), draw(_toml_value())
+        lines.setdefault(section, {})[key] = _toml_literal(value)
     base = {"model": {"checkpoint": '"m.h5"'}, "generate": {"prompts": '"p.jsonl"', "output": '"o.jsonl"'}}
     for section, values in base.items():
         for key, value in values.items():
@@ -100,22 +139,40 @@ def toml_documents(draw) -> str:
 
 @FUZZ
 @given(toml_documents())
+@example('[model]\n"checkpoint" = "m.h5"\n"dtype" = "bfloat16"\n"quantize_group" = 32\n\n'
+         '[generate]\n"prompts" = "p.jsonl"\n"output" = "o.jsonl"\n"temperature" = 1\n"top_p" = 0.5\n\n'
+         '[offload]\n"device_memory" = "512MB"\n"host_memory" = 4096\n\n[runtime]\n"comm_timeout" = 30\n')
 def test_config_from_toml_documents(files, text):
-    config = config_or_error(files(text))
+    path = files(text)
+    config = config_or_error(path)
     if config is not None:                                 # a valid config holds what the document said
-        assert config.model.checkpoint is not None or config.model.preset is not None
+        assert_holds(config, path, tomllib.loads(text))
 
 
 @FUZZ
 @given(st.lists(st.one_of(st.text(max_size=30),
                           st.builds(lambda k, v: f"{k[0]}.{k[1]}={v}", st.sampled_from(KNOWN_KEYS),
-                                    st.one_of(st.text(max_size=12), _toml_value().map(_toml_literal)))),
+                                    st.one_of(st.text(max_size=12), _toml_value().map(_toml_literal))),
+                          st.sampled_from(KNOWN_KEYS).flatmap(lambda k: _plausible(*k).map(
+                              lambda v: f"{k[0]}.{k[1]}={_toml_literal(v)}"))),
                 max_size=4))
 @example(["generate.max_new_tokens=" + "[" * 3000])
 @example(["generate.temperature=1" + "0" * 400])
 @example(["offload.device_memory=1e400GB"])
 def test_config_overrides(files, overrides):
-    config_or_error(files(BASE), overrides)
+    path = files(BASE)
+    config = config_or_error(path, overrides)
+    if config is not None:                                 # ... and the --set items, the last one of a key winning
+        document = tomllib.loads(BASE)
+        for item in overrides:
+            key, _, text = item.partition("=")
+            section, _, name = key.strip().partition(".")
+            try:
+                value = tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                value = text                               # a bare string, as --set takes a path
+            document.setdefault(section, {})[name] = value
+        assert_holds(config, path, document)
 
 
 def test_non_finite_numbers_are_refused(files):

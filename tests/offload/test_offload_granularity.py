@@ -58,6 +58,12 @@ def link_bytes(cache_gpu: float, row_bytes: int) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
+def dense_reference(prompts):
+    """All on the device, no [offload]: the tokens every split must give."""
+    return base.generate(base.build(preset("tiny-dense")), prompts)[0]
+
+
+@pytest.fixture(scope="module")
 def int4_reference(prompts):
     off = zigzag(100)
     return kvq.generate(kvq.build(kvq.source(), off, "int4"), prompts, off)[0]
@@ -65,14 +71,13 @@ def int4_reference(prompts):
 
 @pytest.mark.parametrize("cache_gpu", SPLITS)
 @pytest.mark.parametrize("kv", ["float", "int4"])
-def test_split_caches_give_the_all_on_device_tokens_and_move_only_host_rows(prompts, int4_reference, monkeypatch,
-                                                                              kv, cache_gpu):
+def test_split_caches_give_the_all_on_device_tokens_and_move_only_host_rows(prompts, dense_reference, int4_reference,
+                                                                              monkeypatch, kv, cache_gpu):
     off = zigzag(cache_gpu)
     made = host_kvs(monkeypatch)
     if kv == "float":
         out, times = base.generate(base.build(preset("tiny-dense"), off), prompts, off)
-        want, _ = base.generate(base.build(preset("tiny-dense")), prompts)
-        row_bytes = HEAD_DIM * 4
+        want, row_bytes = dense_reference, HEAD_DIM * 4
     else:
         out, times = kvq.generate(kvq.build(kvq.source(), off, "int4"), prompts, off)
         want, row_bytes = int4_reference, 16 // 2 + 4                          # 8 bytes of nibbles + fp16 scale, min
@@ -128,10 +133,23 @@ def test_what_the_runtime_cannot_hold_is_an_error(tmp_path, keys, names):
         assert name in str(info.value), str(info.value)
 
 
-def test_what_the_runtime_holds_is_accepted(tmp_path):
+def test_what_the_runtime_holds_is_accepted_and_runs(prompts, dense_reference, tmp_path, monkeypatch):
+    """Each accepted placement holds the values given, and runs as given: the all-on-device tokens, with the
+    cache's rows on the device and in host memory as the percentages say (CPU attention reads the host rows in
+    place: no staging buffers)."""
     for keys in (dict(cache_gpu=33.33, cache_cpu=66.67), dict(cache_gpu=0, cache_cpu=100, cpu_attention=True),
                  dict(cache_gpu=50, cache_cpu=50, cpu_attention=True), dict(cache_gpu=100, cache_cpu=0)):
-        config_for(tmp_path, weights_gpu=0, weights_cpu=100, schedule="zigzag", **keys)
+        off = config_for(tmp_path, weights_gpu=0, weights_cpu=100, schedule="zigzag", **keys).offload
+        assert {k: getattr(off, k) for k in keys} == keys
+        assert (off.weights_gpu, off.weights_cpu, off.schedule) == (0, 100, "zigzag")
+        made = host_kvs(monkeypatch)
+        out, times = base.generate(base.build(preset("tiny-dense"), off), prompts, off)
+        assert out == dense_reference, keys
+        (host_kv,) = made
+        rows = len(PROMPT_LENGTHS) * HEADS                                     # one GPU batch: every sequence
+        host_rows = rows - device_rows(rows, off.cache_gpu)
+        assert (host_kv.host[0].k[0].shape[0] if host_kv.host else 0) == host_rows, keys
+        assert (host_kv.staging == []) == (off.cpu_attention or host_rows == 0), keys
 
 
 def test_cpu_attention_over_a_device_cache_is_refused_not_ignored(tmp_path):
