@@ -104,6 +104,21 @@ def venv_bin():
 
 
 @pytest.fixture(scope="session")
+def smollm2_float_conversion(tmp_path_factory):
+    """SmolLM2's GGUF (models/, or HPCINFER_SMOLLM2_GGUF) converted once per run to a float32 hpcinfer checkpoint:
+    (path, the arch convert_gguf returned). Read-only for its users: tests/checkpoint/test_gguf.py checks it against
+    transformers, tests/quant/test_quant.py checks a kept-quantized conversion against it (about 4 s a conversion)."""
+    gguf_path = REPO_ROOT / os.environ.get("HPCINFER_SMOLLM2_GGUF", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not gguf_path.is_file():
+        pytest.skip(f"{gguf_path} not present (make model)")
+    pytest.importorskip("gguf")
+    from hpcinfer.checkpoint.gguf import convert_gguf
+
+    out = tmp_path_factory.mktemp("smollm2-gguf") / "smollm2.h5"
+    return out, convert_gguf(str(gguf_path), str(out))
+
+
+@pytest.fixture(scope="session")
 def run_cli():
     """`run_cli(args, n=1, timeout=120, cwd=None)`: run `python -m hpcinfer ...`, alone or on n ranks."""
     return _run_cli

@@ -37,9 +37,9 @@ TEXTS = [
 # ---------------------------------------------------------------------------------------- SmolLM2 vs transformers
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gguf") / "smollm2.h5"
-    arch = convert_gguf(str(SMOLLM2), str(out))
+def converted(smollm2_float_conversion):
+    """convert_gguf's arch and the checkpoint it wrote (once per run: tests/conftest.py)."""
+    out, arch = smollm2_float_conversion
     with open_checkpoint(str(out)) as ckpt:
         yield arch, ckpt
 

@@ -282,12 +282,11 @@ def test_cli_convert_quantize(llama, tmp_path, capsys):
 
 # ---- GGUF kept quantized --------------------------------------------------------------------------------------
 @pytest.mark.skipif(not SMOLLM2.exists(), reason=f"{SMOLLM2} not present")
-def test_gguf_keep_quantized_dequantizes_to_the_plain_conversion(tmp_path):
+def test_gguf_keep_quantized_dequantizes_to_the_plain_conversion(tmp_path, smollm2_float_conversion):
     pytest.importorskip("gguf")
     from hpcinfer.checkpoint.gguf import convert_gguf
 
-    plain, kept = str(tmp_path / "plain.h5"), str(tmp_path / "kept.h5")
-    convert_gguf(str(SMOLLM2), plain)
+    plain, kept = str(smollm2_float_conversion[0]), str(tmp_path / "kept.h5")     # plain: converted once per run
     convert_gguf(str(SMOLLM2), kept, keep_quantized=True)
     with open_checkpoint(plain) as a, open_checkpoint(kept) as b:
         assert b.quantization == "gguf"
