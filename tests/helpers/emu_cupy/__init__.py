@@ -222,9 +222,9 @@ def installed(devices: int = 1, sm_count: int = 2):
 
 
 def pytest_configure(config):
-    """As a plugin (`PYTHONPATH=tests/helpers python -m pytest -p emu_cupy tests/test_x.py`): the whole session runs on
-    the fake cupy, installed before collection, so GPU-only test modules (whose skip checks call gpu_available at
-    import) run here. Not a plugin otherwise: importing this module registers only the fixture."""
+    """As a plugin (`PYTHONPATH=tests/helpers python -m pytest -p emu_cupy tests/<layer>/test_x.py`): the whole
+    session runs on the fake cupy, installed before collection, so GPU-only test modules (whose skip checks call
+    gpu_available at import) run here. Not a plugin otherwise: importing this module registers only the fixture."""
     monkeypatch = pytest.MonkeyPatch()
     config._emu_cupy_monkeypatch = monkeypatch
     reason = emulate.unavailable()
