@@ -1,3 +1,3 @@
-"""hpcinfer: MPI-launched SPMD transformer inference (NumPy reference backend, CUDA later)."""
+"""hpcinfer: MPI-launched SPMD transformer inference (a NumPy reference backend; a CuPy one with CUDA kernels)."""
 
 __version__ = "0.1.0"

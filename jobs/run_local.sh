@@ -6,7 +6,7 @@
 # The ranks are the script's #SBATCH count (--ntasks, or --nodes x --ntasks-per-node) scaled down to this machine:
 # at most HPCINFER_LOCAL_RANKS (default: the cores here, at most 4), or -n RANKS. A script whose config needs a
 # bigger mesh, model or prompt set takes smaller ones through HPCINFER_SET / HPCINFER_MODEL / HPCINFER_OUT
-# (jobs/lib.sh); the tests (tests/test_jobs.py) run every script this way with a tiny model.
+# (jobs/lib.sh); the tests (tests/cli/test_jobs.py) run every script this way with a tiny model.
 # Slurm's variables are set as a one-node allocation would set them; `scontrol` is a stub that only reports
 # unless one is on PATH already. The script replaces this shell (exec), so a signal sent here reaches it.
 set -euo pipefail

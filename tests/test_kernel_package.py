@@ -2,8 +2,8 @@
 installed wheel finds them there, and the CuPy backend with kernels on never runs plain CuPy in place of a kernel
 it cannot find or compile.
 
-1. `pip wheel --no-deps --no-build-isolation` of the project holds every cuda_src/*.cu, *.cuh (and the emulator's
-   header) under hpcinfer/cuda_src/, and every module of hpcinfer/.
+1. `pip wheel --no-deps --no-build-isolation` of the project holds every cuda_src/*.cu and *.cuh under
+   hpcinfer/cuda_src/, and every module of hpcinfer/ (the CPU kernel emulator is test-only: tests/helpers/).
 2. That wheel, installed with `pip install --target`, imported from another folder: the loader's CUDA_SRC is in
    the install, not the repository, and every kernel's source (headers inlined) is read from there.
 3. CupyOps(kernels=True) on the CPU stand-in of cupy, with the loader pointed at a copy of cuda_src/ lacking a file
@@ -34,7 +34,7 @@ from hpcinfer.kernels import loader
 REPO = Path(__file__).resolve().parents[1]
 REPO_CUDA_SRC = REPO / "cuda_src"
 KERNEL_FILES = sorted(p.relative_to(REPO_CUDA_SRC).as_posix()
-                      for pattern in ("*.cu", "*.cuh", "emu/*.h") for p in REPO_CUDA_SRC.glob(pattern))
+                      for pattern in ("*.cu", "*.cuh") for p in REPO_CUDA_SRC.glob(pattern))
 BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "MANIFEST.in", "hpcinfer", "cuda_src")
 
 
@@ -77,11 +77,11 @@ def test_the_wheel_holds_every_kernel_file_inside_the_package(wheel):
 _PROBE = """
 import json, sys
 import hpcinfer
-from hpcinfer.kernels import emulate, loader
+from hpcinfer.kernels import loader
 sources = {name: str(loader.source_path(name)) for name in loader.KERNELS}
 inlined = {name: loader._INCLUDE.search(loader.kernel_source(name)) is None for name in loader.KERNELS}
 print(json.dumps({"package": hpcinfer.__file__, "cuda_src": str(loader.CUDA_SRC), "sources": sources,
-                  "inlined": inlined, "emu_header": emulate.EMU_HEADER.is_file(),
+                  "inlined": inlined,
                   "headers": sorted(p.name for p in loader.CUDA_SRC.glob("*.cuh"))}))
 """
 
@@ -104,7 +104,6 @@ def test_an_installed_wheel_finds_every_kernel_in_the_install(wheel, tmp_path):
         assert Path(path) == site / "hpcinfer" / "cuda_src" / f"{name}.cu"
     assert all(got["inlined"].values()), got["inlined"]           # every local #include found beside the .cu
     assert got["headers"] == sorted(p.name for p in REPO_CUDA_SRC.glob("*.cuh"))
-    assert got["emu_header"]
 
 
 def test_the_source_checkout_uses_its_own_cuda_src():
@@ -114,8 +113,8 @@ def test_the_source_checkout_uses_its_own_cuda_src():
 # ---- the CuPy backend: a missing or broken kernel is an error, kernels=False never reads one ---------------------
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    """The CPU stand-in for cupy (tests/emu_cupy/), installed for one test (fresh kernel-loader caches)."""
-    emu = pytest.importorskip("emu_cupy", reason="tests/emu_cupy/ (the CPU stand-in for cupy) is not there")
+    """The CPU stand-in for cupy (tests/helpers/emu_cupy/), installed for one test (fresh kernel-loader caches)."""
+    emu = pytest.importorskip("emu_cupy", reason="tests/helpers/emu_cupy/ (the CPU stand-in for cupy) is not there")
     return emu.install(monkeypatch)
 
 

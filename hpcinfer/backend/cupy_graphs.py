@@ -1,8 +1,8 @@
 """CUDA graphs for decode steps on the CuPy backend: `DeviceStep` (a decode step whose slots and starts live in
 device buffers, with a fixed KV-length bucket, so attention reads no host value), `kv_bucket` (the bucket of a
 length) and `DecodeGraph` (capture a decode step once per (batch size, bucket), then replay it with new inputs
-copied into the captured buffers). generate/graphs.py drives it; tests/test_cuda_graphs.py and
-tests/test_cupy_emulated.py check it on the CPU fake of cupy (tests/emu_cupy/).
+copied into the captured buffers). generate/graphs.py drives it; tests/generate/test_cuda_graphs.py and
+tests/backend/test_cupy_emulated.py check it on the CPU fake of cupy (tests/helpers/emu_cupy/).
 
 Shape legend: S=sequences in the step.
 """
@@ -65,7 +65,7 @@ class DecodeGraph:
     - no host <-> device copy, no host sync (`int(x)`, boolean masks, `.get()`, `cupy.asarray(numpy)`) inside:
       the model reads the step's positions from `DeviceStep.positions` (device; rotary and learned positions
       gather on the device), the token ids from `inputs`, and takes no last-token gather in a decode step
-      (generate/graphs.py drives it; tests/test_cuda_graphs.py checks it on the CPU fake of cupy);
+      (generate/graphs.py drives it; tests/generate/test_cuda_graphs.py checks it on the CPU fake of cupy);
     - the step must be idempotent for equal inputs: the first call of a key runs it eagerly (a warm-up that
       compiles kernels and lets the pool allocate), then captures, then replays, so the KV append happens twice at
       the same position with the same values;

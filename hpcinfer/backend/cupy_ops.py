@@ -9,7 +9,7 @@ This module imports without cupy: cupy is imported when a CupyOps is built. Each
 (through hpcinfer/kernels/loader.py) when `kernels=True`, after checking layout, dtype and the kernel's
 preconditions (a kernel file that is missing or does not compile is an error naming it, never a silent fallback);
 otherwise (and with `kernels=False`) it runs as plain CuPy array code, which stays as the fallback and as a second
-reference: tests/test_cupy_ops.py holds both paths to NumpyOps. "TODO kernel" marks the ops with no kernel wired
+reference: tests/backend/test_cupy_ops.py holds both paths to NumpyOps. "TODO kernel" marks the ops with no kernel wired
 yet.
 
 This module holds CupyOps itself (memory, dense math, norms, activations, MoE gating, the kernel-launch helpers

@@ -4,7 +4,7 @@
 Gating makes a one-hot dispatch mask and the combine weights, both [T, E, C]; the expert inputs are
 einsum("tec,td->ecd") and the layer output einsum("tec,ecd->td"); every expert runs on all C rows of its buffer,
 the unused ones zeros. Cost O(T*E*C*D) where the indexed path (backend/moe_ops.py) costs O(T*K*D). The choices,
-gate weights and capacity rules are those of moe_ops (and tests/moe_reference.py): softmax over E in float32, k
+gate weights and capacity rules are those of moe_ops (and tests/helpers/moe_reference.py): softmax over E in float32, k
 argmax passes (lower expert first on ties), topk renormalization or none, a token-major scan for each pair's slot,
 pairs with slot >= capacity dropped (capacity None: C = T, nothing is). So both paths give the same tokens.
 

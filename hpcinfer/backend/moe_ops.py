@@ -4,7 +4,7 @@ Gating makes a dense token->expert table; routing turns it into an expert->token
 slot inside its expert's buffer with one stable sort and one exclusive scan over the expert counts; permute and
 unpermute move token rows in and out of per-expert buffers by index, applying the gate weights on the way back.
 Every step costs O(T*K*D) (plus O(T*E) for the softmax over the logits): nothing here is ever [T, E, C] or
-[T, E, C, D], unlike the one-hot einsum formulation of GShard / DeepSpeed (kept in tests/moe_reference.py).
+[T, E, C, D], unlike the one-hot einsum formulation of GShard / DeepSpeed (kept in tests/helpers/moe_reference.py).
 
 Shape legend: T=tokens, D=hidden, E=experts, K=top-k, R=routed rows (kept (token, choice) pairs, R <= T*K),
 C=capacity (rows an expert may take).
