@@ -13,14 +13,13 @@ from .comm.mesh import MeshShape
 from .preflight import check_quantization, check_writable, open_model_source
 from .errors import ConfigError
 from .generate.commit import ResultWriter, generation_fingerprint
-from .generate.engine import GenerationParams, ScheduleParams, StepTimes
+from .generate.engine import ScheduleParams, StepTimes
 from .generate.graphs import check_model as check_graphs
 from .generate.kv_cache import KVOffload, plan_offload
 from .generate.output import write_metrics
 from .generate.prompts import load_prompts
 from .generate.resume import SIDECAR_SUFFIX
 from .generate.runner import Runner
-from .generate.sampling import SamplingParams
 from .generate.schedules import run_block
 from .parallel.micro_batches import micro_batches
 from .generate.tokenizer import TextTokenizer
@@ -157,11 +156,6 @@ def _check_kv_offload(config, arch, stages, prompts, world_size: int, ranks_per_
             plan_offload(len(stage.layers), stage.first_layer, len(batch), arch.num_kv_heads // par.tp, max_len,
                          arch.head_dim, KVOffload(schedule.kv_offload.threshold_bytes, parity),
                          max(len(x) for x in groups), kv_format_of(config, arch))
-
-
-def generation_params(config) -> GenerationParams:
-    g = config.generate
-    return GenerationParams(g.max_new_tokens, SamplingParams(g.temperature, g.top_k, g.top_p), g.seed, g.ignore_eos)
 
 
 def generate_share(runner: Runner, job: Job, mesh, link, end_round=None) -> tuple[StepTimes, list]:

@@ -34,9 +34,8 @@ from .generate.output import write_metrics
 from .generate.progress import Progress
 from .generate.rounds import BatchRounds, StopFlag
 from .generate.runner import Runner
-from .job import RankReport, generate_share, generation_params, kv_format_of, prepare_job, write_outputs
+from .job import RankReport, generate_share, prepare_job, write_outputs
 from .model.encoder import Encoder
-from .model.transformer import Decoder
 from .logs import setup_logging
 from .offload.tiers import WeightTiers, place_layers
 
@@ -128,15 +127,12 @@ def _run(world, config_path: str, overrides: list[str], restart: bool = False, s
     t0 = time.perf_counter()
     stage = job.stages[mesh.coords[0]]
     with job.ckpt as ckpt:
-        model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor,
-                        kv_format=kv_format_of(config, ckpt.arch), attention_topk=config.generate.attention_topk,
-                        weights=_weight_source(config, ops, rank, mesh, comm))
-        model.load(ckpt, after_block=faults.after_block(model.weights.place if model.weights is not None else None),
-                   quantize=job.load_quant)
+        runner = Runner.load(config, ckpt, ops, groups, stage, _weight_source(config, ops, rank, mesh, comm),
+                             job.load_quant, lambda tiers: faults.after_block(tiers.place if tiers else None),
+                             faults.sampling_hook(stage.is_last))
     load_s = time.perf_counter() - t0
     faults.at("after_load")
     faults.arm([mesh.world, mesh.tp, mesh.dp, mesh.pp, mesh.stage])
-    runner = Runner(model, generation_params(config), on_sample=faults.sampling_hook(stage.is_last))
     _generate(config, mesh, runner, job, stop or StopFlag(), load_s, t_start, threads)
 
 

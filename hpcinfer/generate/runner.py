@@ -17,9 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm.mappings import broadcast_from_tp_root
+from ..model.transformer import Decoder
+from ..offload.budget import kv_format_of
 from .engine import GenerationParams, Sequence, StepTimes, record_token
 from .graphs import RunGraphs
-from .sampling import sample, sequence_rng
+from .sampling import SamplingParams, sample, sequence_rng
 
 
 class Runner:
@@ -31,6 +33,20 @@ class Runner:
         self.eos = set() if params.ignore_eos else set(model.arch.eos_token_ids)
         self.graphs = RunGraphs(self.forward)  # [runtime] cuda_graphs: the run's kept KV cache and decode graphs
         self.on_sample = on_sample
+
+    @classmethod
+    def load(cls, config, ckpt, ops, groups, stage, weights=None, quantize=None, after_block=None,
+             on_sample=None) -> "Runner":
+        """This rank's Decoder built whole for a [generate] job (its stage's layers, the KV cache format and top-k
+        attention of the config, the weight source `weights`: blocks -> offload tiers, or None) and loaded from
+        `ckpt` (quantized as `quantize`, a quant.storage.LoadQuant; `after_block(weights)` -> the hook run after each
+        block, or None), then the runner around it. Nothing changes the model afterwards."""
+        model = Decoder(ops, groups, ckpt.arch, config.model.dtype, stage, config.moe.capacity_factor,
+                        kv_format=kv_format_of(config, ckpt.arch), attention_topk=config.generate.attention_topk,
+                        weights=weights)
+        hook = after_block(model.weights) if after_block is not None else None
+        model.load(ckpt, after_block=hook, quantize=quantize)
+        return cls(model, generation_params(config), on_sample)
 
     # ---- sequences ---------------------------------------------------------------------------------------------
     def sequences(self, prompts: list, indices: list) -> list[Sequence]:
@@ -90,3 +106,9 @@ class Runner:
     def close(self) -> None:
         """The run is done: free the kept KV cache and graphs."""
         self.graphs.close()
+
+
+def generation_params(config) -> GenerationParams:
+    """What the [generate] section asks of every sequence."""
+    g = config.generate
+    return GenerationParams(g.max_new_tokens, SamplingParams(g.temperature, g.top_k, g.top_p), g.seed, g.ignore_eos)
