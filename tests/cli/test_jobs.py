@@ -191,7 +191,9 @@ def test_requeue_on_usr1_then_resume(tiny, tmp_path, scontrol):
         pytest.skip("`hpcinfer run --help` has no --restart: resumable output and preemption (issue 8 part A) "
                     "are not in this tree yet")
     bin_dir, log = scontrol
-    count = 40
+    # enough rounds after the 2nd commit for SIGUSR1 to land mid-job: with 40 tiny-model prompts the job sometimes
+    # finished before the signal arrived (no requeue: 1 run in 3 here)
+    count = 400
     prompts, output = token_prompts(tmp_path / "p.jsonl", count), tmp_path / "o.jsonl"
     env = clean_env(extra=_requeue_env(tiny, tmp_path, bin_dir, prompts, output))
     cmd = ["bash", str(JOBS / "run_local.sh"), str(JOBS / "requeue.slurm")]
