@@ -51,6 +51,10 @@ CARRY = REPO / ".carry" / "gpu-check"          # made by `make gpu-carry` (gpu/c
 MPI_DIR = Path(tempfile.gettempdir()) / "hpcinfer-mpich"
 SITE_DIR = Path(tempfile.gettempdir()) / "hpcinfer-site"
 STEPS = ("mpi", "env", "ops", "e2e", "decode", "memcheck", "smollm2")
+# What comes back (the device tool returns 8 files at most): each step's result file, the summary and the log.
+FILES = {"env": "env.json", "ops": "ops.xml", "e2e": "e2e.xml", "decode": "decode.json", "memcheck": "memcheck.xml",
+         "smollm2": "smollm2.xml"}
+ALWAYS = ("summary.json", "log.txt")
 MIN_STEP_S = 20                               # a step that would get less than this is skipped, not started
 
 
@@ -75,6 +79,9 @@ class Check:
 
     def record(self, step: str, **fields) -> None:
         self.summary.setdefault("steps", {})[step] = fields
+        self.write_summary()
+
+    def write_summary(self) -> None:
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str) + "\n")
 
     def run(self, step: str, cmd: list, timeout: float, env: dict | None = None) -> tuple[int, float, bool]:
@@ -188,7 +195,7 @@ print(json.dumps(info, indent=1, default=str))
 
 
 def step_env(check: Check) -> dict:
-    out = check.out / "env.json"
+    out = check.out / FILES["env"]
     probe = Path(tempfile.mkdtemp()) / "probe.py"
     probe.write_text(f"import sys\nsys.stdout = open({str(out)!r}, 'w')\n" + ENV_PROBE)
     rc, _, _ = check.run("env", check.python(str(probe)), 90)
@@ -206,16 +213,16 @@ def _workers(check: Check) -> list:
 
 
 def step_ops(check: Check) -> dict:
-    cmd = check.pytest("ops.xml", *_workers(check), "tests/backend/test_cupy_ops.py",
+    cmd = check.pytest(FILES["ops"], *_workers(check), "tests/backend/test_cupy_ops.py",
                        "tests/kernels/test_quant_kernels.py::test_cupy_linear_q_matches_numpy",
                        "tests/comm/test_nccl_group.py", "-k", "not smollm2 and not cli_run")
     rc, _, _ = check.run("ops", cmd, 200)
-    return {"rc": rc, "file": "ops.xml"}
+    return {"rc": rc, "file": FILES["ops"]}
 
 
 def step_e2e(check: Check) -> dict:
-    rc, _, _ = check.run("e2e", check.pytest("e2e.xml", "tests/cli/test_gpu_e2e.py"), 150)
-    return {"rc": rc, "file": "e2e.xml"}
+    rc, _, _ = check.run("e2e", check.pytest(FILES["e2e"], "tests/cli/test_gpu_e2e.py"), 150)
+    return {"rc": rc, "file": FILES["e2e"]}
 
 
 def step_decode(check: Check) -> dict:
@@ -226,8 +233,8 @@ def step_decode(check: Check) -> dict:
     rc, _, _ = check.run("decode", check.python("-m", "hpcinfer.bench.scripts.gpu", *args), 240)
     found = sorted(work.glob("decode-*.json"))
     if found:
-        shutil.copy(found[-1], check.out / "decode.json")
-    return {"rc": rc, "file": "decode.json" if found else None}
+        shutil.copy(found[-1], check.out / FILES["decode"])
+    return {"rc": rc, "file": FILES["decode"] if found else None}
 
 
 def step_memcheck(check: Check) -> dict:
@@ -235,22 +242,22 @@ def step_memcheck(check: Check) -> dict:
     if check.fake or sanitizer is None:
         return {"rc": 0, "skipped": "compute-sanitizer needs a GPU" if check.fake else "compute-sanitizer not found"}
     cmd = [sanitizer, "--tool", "memcheck", "--report-api-errors", "no", "--print-limit", "20",
-           *check.pytest("memcheck.xml", "tests/backend/test_cupy_ops.py", "-k", "test_op_matches_numpy and kernels")]
+           *check.pytest(FILES["memcheck"], "tests/backend/test_cupy_ops.py", "-k", "test_op_matches_numpy and kernels")]
     start = check.log.stat().st_size
     rc, _, _ = check.run("memcheck", cmd, 180, env={"HPCINFER_SANITIZE": "1"})
     with open(check.log) as log:
         log.seek(start)
         summaries = [line.strip() for line in log if "ERROR SUMMARY" in line]
-    return {"rc": rc, "file": "memcheck.xml", "error_summary": summaries[-1] if summaries else None}
+    return {"rc": rc, "file": FILES["memcheck"], "error_summary": summaries[-1] if summaries else None}
 
 
 def step_smollm2(check: Check) -> dict:
     model = check.carry / "smollm2.h5"
     if not model.exists():
         return {"rc": 0, "skipped": f"no {model.relative_to(REPO)} carried (make gpu-carry)"}
-    cmd = check.pytest("smollm2.xml", "tests/backend/test_cupy_ops.py", "-k", "smollm2 or cli_run")
+    cmd = check.pytest(FILES["smollm2"], "tests/backend/test_cupy_ops.py", "-k", "smollm2 or cli_run")
     rc, _, _ = check.run("smollm2", cmd, 300, env={"HPCINFER_SMOLLM2": str(model)})
-    return {"rc": rc, "file": "smollm2.xml"}
+    return {"rc": rc, "file": FILES["smollm2"]}
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
@@ -366,7 +373,7 @@ def main(argv=None) -> int:
     check.summary.update(commit=check.commit, fake=fake, budget_s=args.budget, started=time.strftime("%FT%T%z"))
     failed = run_steps(check, steps)
     check.summary.update(elapsed_s=round(args.budget - check.left(), 1), failed_steps=failed)
-    (out / "summary.json").write_text(json.dumps(check.summary, indent=1, default=str) + "\n")
+    check.write_summary()
     print(report(out))                                      # the device tool's output tail shows this table
     print(f"gpu-check: {failed} step(s) failed; results in {out} (summary.json, log.txt)")
     return int(failed > 0)

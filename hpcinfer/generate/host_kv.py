@@ -17,9 +17,9 @@ from .kv_cache import KVCache
 
 class HostKV:
     """The KV rows of GPU batches that do not all live on the device: each batch's host rows in (pinned) host
-    memory, its device rows (tensor granularity, module docstring) in device arrays, and two device staging
-    buffers of one layer they pass through, unless CPU attention attends every row where it lies (no staging;
-    `delegated` counts the bytes of the host rows' q, k, v sent down and outputs sent up). A step visits
+    memory, its device rows (tensor granularity: generate/schedules/zigzag.py's docstring) in device arrays, and
+    two device staging buffers of one layer they pass through, unless CPU attention attends every row where it
+    lies (no staging; `delegated` counts the bytes of the host rows' q, k, v sent down and outputs sent up). A step visits
     (layer, batch) pairs in the zig-zag order; pair k is loaded into staging buffer k % 2 while pair k - 1 computes
     in the other, and stored back after it ran (on a GPU: host rows on the copy stream, ordered by events,
     backend/cupy_transfer.py; device rows by a device copy on the compute stream), so the loads of the next
