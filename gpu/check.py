@@ -116,8 +116,31 @@ class Check:
 
 # ---- the steps -------------------------------------------------------------------------------------------------
 
+# Open MPI in a container without ssh, as root (the lent machine, 2026-11-27: Debian Open MPI 4.1.6 under the
+# image's mpi4py): a singleton MPI_Init forks an orted that looks for an rsh agent and aborts ("plm_rsh_agent: ssh :
+# rsh ... could not be found"), and mpiexec refuses root. The isolated launcher starts local processes only.
+OPEN_MPI_LOCAL = {"OMPI_MCA_plm": "isolated", "OMPI_MCA_rmaps_base_oversubscribe": "yes",
+                  "OMPI_MCA_btl_vader_single_copy_mechanism": "none", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+                  "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+WORLD_PROBE = ("from mpi4py import MPI; w = MPI.COMM_WORLD; n = w.allreduce(1); assert n == w.Get_size(), n; "
+               "print(MPI.Get_library_version().splitlines()[0], 'ranks', n)")
+
+
+def mpi_works(check: Check, label: str, extra_env: dict) -> bool:
+    """A singleton world and a 2-rank mpiexec world both initialize and all-reduce under check.env + extra_env."""
+    env = {**check.env, **extra_env}
+    singleton = [sys.executable, "-c", WORLD_PROBE]
+    if check.run(f"mpi: {label}, one process", singleton, 30, env=extra_env)[0] != 0:
+        return False
+    mpiexec = shutil.which("mpiexec", path=env.get("PATH"))
+    if mpiexec is None:
+        return False
+    return check.run(f"mpi: {label}, mpiexec -n 2", [mpiexec, "-n", "2", *singleton], 30, env=extra_env)[0] == 0
+
+
 def step_mpi(check: Check) -> dict:
-    """MPI for every later step: the image's own if mpi4py finds a library, else the carried mpich wheel."""
+    """MPI for every later step, the first that runs a singleton and a 2-rank world: the image's own as it is, the
+    image's own with Open MPI's container settings (OPEN_MPI_LOCAL), or the carried mpich wheel."""
     wheels = sorted(glob.glob(str(check.carry / "whl" / "*.whl")))
     others = [w for w in wheels if not Path(w).name.startswith("mpich-")]
     if others:
@@ -127,18 +150,20 @@ def step_mpi(check: Check) -> dict:
         if rc != 0:
             return {"rc": rc, "note": "installing the carried wheels failed (log.txt)"}
         check.env["PYTHONPATH"] = os.pathsep.join(filter(None, [check.env.get("PYTHONPATH"), str(SITE_DIR)]))
-    probe = [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"]
-    if check.run("mpi: the image's mpi4py", probe, 60)[0] == 0:
-        return {"rc": 0, "note": "the image's mpi4py finds an MPI library"}
+    if mpi_works(check, "the image's MPI", {}):
+        return {"rc": 0, "note": "the image's mpi4py and mpiexec run as they are"}
+    if mpi_works(check, "the image's MPI, Open MPI local settings", OPEN_MPI_LOCAL):
+        check.env.update(OPEN_MPI_LOCAL)
+        return {"rc": 0, "note": "the image's MPI with " + " ".join(f"{k}={v}" for k, v in OPEN_MPI_LOCAL.items())}
     mpich = [w for w in wheels if Path(w).name.startswith("mpich-")]
     if not mpich:
-        return {"rc": 1, "note": "mpi4py finds no MPI library and no mpich wheel was carried (make gpu-carry)"}
+        return {"rc": 1, "note": "the image's MPI does not run and no mpich wheel was carried (make gpu-carry)"}
     unpack_mpich(mpich[0], MPI_DIR)
     check.env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(MPI_DIR / "lib"),
                                                                  check.env.get("LD_LIBRARY_PATH")]))
     check.env["PATH"] = os.pathsep.join([str(MPI_DIR / "bin"), check.env.get("PATH", "")])
-    rc = check.run("mpi: with the carried mpich", probe, 60)[0]
-    return {"rc": rc, "note": f"carried {Path(mpich[0]).name}, unpacked to {MPI_DIR}"}
+    ok = mpi_works(check, "the carried mpich", {})
+    return {"rc": 0 if ok else 1, "note": f"carried {Path(mpich[0]).name}, unpacked to {MPI_DIR}"}
 
 
 def unpack_mpich(wheel: str, dest: Path) -> None:
@@ -176,7 +201,10 @@ info["driver_cuda"] = attempt(rt.driverGetVersion)
 info["runtime_cuda"] = attempt(rt.runtimeGetVersion)
 info["nvrtc"] = attempt(lambda: cupy.cuda.nvrtc.getVersion())
 info["cublas"] = attempt(lambda: cupy.cuda.cublas.getVersion(cupy.cuda.device.get_cublas_handle()))
-info["nccl"] = attempt(lambda: cupy.cuda.nccl.get_version() if cupy.cuda.nccl.available else "not available")
+def nccl():
+    from cupy.cuda import nccl   # a submodule: cupy.cuda does not import it
+    return nccl.get_version() if nccl.available else "not available"
+info["nccl"] = attempt(nccl)
 info["nvidia_smi"] = attempt(lambda: subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                                                      "--format=csv,noheader"], capture_output=True, text=True,
                                                     timeout=20).stdout.strip())

@@ -66,6 +66,20 @@ def test_a_step_over_its_limit_is_killed_and_recorded(tmp_path):
     assert "sleeper: rc" in (tmp_path / "log.txt").read_text()
 
 
+FAKE_MPIEXEC = '#!/bin/sh\n[ "$1" = -n ] && shift 2\nexec "$@"\n'      # runs its command once
+FAKE_WORLD = ("class _World:\n    def allreduce(self, x):\n        return x\n    def Get_size(self):\n        return 1\n"
+              "COMM_WORLD = _World()\n")
+
+
+def fake_mpi4py(site: Path, condition: str, library: str) -> None:
+    """An mpi4py whose MPI module raises 'cannot load MPI library' unless `condition` (Python) holds."""
+    package = site / "mpi4py"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "MPI.py").write_text(f"import os\nif not ({condition}):\n    raise RuntimeError('cannot load MPI library')\n"
+                                    f"def Get_library_version():\n    return {library!r}\n" + FAKE_WORLD)
+
+
 def fake_mpich_wheel(folder: Path) -> Path:
     """A wheel laid out as mpich's: <name>.data/data/{lib,bin}/..., mpiexec executable."""
     folder.mkdir(parents=True)
@@ -75,7 +89,7 @@ def fake_mpich_wheel(folder: Path) -> Path:
         z.writestr("mpich-9.9.data/data/lib/libmpi.so.12", "not a real library")
         info = zipfile.ZipInfo("mpich-9.9.data/data/bin/mpiexec")
         info.external_attr = (stat.S_IFREG | 0o755) << 16
-        z.writestr(info, "#!/bin/sh\n")
+        z.writestr(info, FAKE_MPIEXEC)
     return wheel
 
 
@@ -92,14 +106,8 @@ def test_mpi_step_falls_back_to_the_carried_mpich(tmp_path, monkeypatch):
     mpi_dir = tmp_path / "unpacked"
     monkeypatch.setattr(gpu_check, "MPI_DIR", mpi_dir)
     fake_mpich_wheel(tmp_path / "carry" / "whl")
-    package = tmp_path / "site" / "mpi4py"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "MPI.py").write_text(
-        "import os\n"
-        f"if {str(mpi_dir / 'lib')!r} not in os.environ.get('LD_LIBRARY_PATH', '').split(os.pathsep):\n"
-        "    raise RuntimeError('cannot load MPI library')\n"
-        "def Get_library_version():\n    return 'fake MPICH from the carried wheel'\n")
+    fake_mpi4py(tmp_path / "site", f"{str(mpi_dir / 'lib')!r} in os.environ.get('LD_LIBRARY_PATH', '').split(os.pathsep)",
+                "fake MPICH from the carried wheel")
     check = gpu_check.Check(tmp_path, True, gpu_check.time.monotonic() + 120, tmp_path / "carry", "c0ffee")
     check.env["PYTHONPATH"] = str(tmp_path / "site")
     result = gpu_check.step_mpi(check)
@@ -110,14 +118,28 @@ def test_mpi_step_falls_back_to_the_carried_mpich(tmp_path, monkeypatch):
 
 
 def test_without_a_wheel_the_mpi_step_says_what_to_carry(tmp_path):
-    package = tmp_path / "site" / "mpi4py"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "MPI.py").write_text("raise RuntimeError('cannot load MPI library')\n")
+    fake_mpi4py(tmp_path / "site", "False", "never")
     check = gpu_check.Check(tmp_path, True, gpu_check.time.monotonic() + 60, tmp_path / "carry", "c0ffee")
     check.env["PYTHONPATH"] = str(tmp_path / "site")
     result = gpu_check.step_mpi(check)
     assert result["rc"] == 1 and "make gpu-carry" in result["note"]
+
+
+def test_open_mpi_without_ssh_gets_the_isolated_launcher(tmp_path):
+    """The lent machine's Debian Open MPI aborts a singleton MPI_Init without an rsh agent and refuses root under
+    mpiexec: the step retries with OPEN_MPI_LOCAL and keeps it for every later step, before any carried MPI."""
+    fake_mpi4py(tmp_path / "site", "os.environ.get('OMPI_MCA_plm') == 'isolated'", "fake Open MPI")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mpiexec").write_text(FAKE_MPIEXEC)
+    (bin_dir / "mpiexec").chmod(0o755)
+    check = gpu_check.Check(tmp_path, True, gpu_check.time.monotonic() + 60, tmp_path / "carry", "c0ffee")
+    check.env.update(PYTHONPATH=str(tmp_path / "site"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    result = gpu_check.step_mpi(check)
+    assert result["rc"] == 0 and "OMPI_MCA_plm=isolated" in result["note"], result
+    assert check.env["OMPI_MCA_plm"] == "isolated" and check.env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+    log = (tmp_path / "log.txt").read_text()
+    assert "cannot load MPI library" in log and "fake Open MPI ranks 1" in log
 
 
 @pytest.mark.parametrize("steps", ["env,nonsense"])

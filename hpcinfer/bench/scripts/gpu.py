@@ -45,6 +45,7 @@ from ...comm.group import Groups
 from ...generate.engine import GenerationParams, ScheduleParams, StepTimes
 from ...generate.schedules.pipeline import generate_batch
 from ...model.transformer import Decoder
+from ...quant.storage import DEFAULT_GROUP, LoadQuant
 from ..common import git_commit, logger, machine_info, median
 from .results import write_results
 
@@ -70,6 +71,7 @@ class Settings:
     repeats: int = 5
     kernels: bool = True
     decode_batches: tuple = (1,)    # decode, graphs, hf: sequences per step (results keyed "<preset> x<B>" past 1)
+    quantize: tuple = ("none",)     # decode, graphs, prefill: [model] quantize modes (keyed "<preset> <mode>")
 
 
 QUICK = Settings(presets=("tiny-dense",), copy_bytes=8 << 20, prompt_len=12, new_tokens=4, prefill_batch=2,
@@ -87,15 +89,18 @@ def matrix_params(arch) -> tuple[int, int]:
     return layers, head
 
 
-def decode_bytes(arch, weight_itemsize: int, context: float, kv_itemsize: int = KV_ITEMSIZE, batch: int = 1) -> dict:
+def decode_bytes(arch, weight_itemsize: int, context: float, kv_itemsize: int = KV_ITEMSIZE, batch: int = 1,
+                 layer_matrix_bytes: float | None = None) -> dict:
     """Bytes one decode step of `batch` sequences must read: every weight once (the matrices, the LM head, the 1-D
     norm and bias vectors, one embedding row and one position row) and the K and V of `context` cached positions
-    per layer and sequence."""
+    per layer and sequence. layer_matrix_bytes: bytes per parameter of the layers' matrices when quantized (int8:
+    1 + a float32 scale per output row, about 1.0), else weight_itemsize."""
     shapes = tensor_shapes(arch)
     vectors = sum(math.prod(s) for s in shapes.values() if len(s) == 1)
     layers, head = matrix_params(arch)
     rows = arch.hidden_size * (2 if arch.position == "learned" else 1)     # token (+ position) embedding row
-    weights = (layers + head + vectors + rows) * weight_itemsize
+    per_param = weight_itemsize if layer_matrix_bytes is None else layer_matrix_bytes
+    weights = layers * per_param + (head + vectors + rows) * weight_itemsize
     kv = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * context * kv_itemsize * batch
     return {"weights": int(weights), "kv": float(kv), "total": float(weights + kv)}
 
@@ -162,10 +167,14 @@ def bench_copy(cp, timer: Timer, s: Settings) -> dict:
     return {"bytes": n * 4, "ms": ms, "median_ms": median(ms), "GBps": 2 * n * 4 / t / 1e9}
 
 
-def load_model(name: str, s: Settings):
+QUANT_BYTES = {"none": None, "int8": 1.0, "asym8": 1.0, "int4": 0.5}   # per layer-matrix parameter, scales aside
+
+
+def load_model(name: str, s: Settings, quantize: str = "none"):
     arch = PRESETS[name]
     t0 = time.perf_counter()
-    model = Decoder(CupyOps(device=0, kernels=s.kernels), Groups(), arch, dtype=s.dtype).load(PresetSource(name, arch))
+    model = Decoder(CupyOps(device=0, kernels=s.kernels), Groups(), arch, dtype=s.dtype).load(
+        PresetSource(name, arch), quantize=None if quantize == "none" else LoadQuant(quantize, DEFAULT_GROUP))
     return model, arch, time.perf_counter() - t0
 
 
@@ -181,7 +190,8 @@ def prompts_of(arch, batch: int, length: int, seed: int = 0) -> list:
     return [rng.integers(0, arch.vocab_size, size=length).tolist() for _ in range(batch)]
 
 
-def bench_decode(model, arch, s: Settings, cuda_graphs: bool, copy_GBps: float | None, batch: int = 1) -> dict:
+def bench_decode(model, arch, s: Settings, cuda_graphs: bool, copy_GBps: float | None, batch: int = 1,
+                 quantize: str = "none") -> dict:
     """Median step time of decode at `batch` sequences after `prompt_len` prompts, `new_tokens - 1` steps per
     generation, `repeats` generations after a warm-up one (which also compiles the kernels and, with graphs,
     captures)."""
@@ -196,7 +206,8 @@ def bench_decode(model, arch, s: Settings, cuda_graphs: bool, copy_GBps: float |
     t = median(steps)
     # decode step j (1 .. new_tokens - 1) attends over prompt_len + j positions: the mean context
     context = s.prompt_len + s.new_tokens / 2
-    nbytes = decode_bytes(arch, np.dtype(s.dtype).itemsize, context, batch=batch)
+    nbytes = decode_bytes(arch, np.dtype(s.dtype).itemsize, context, batch=batch,
+                          layer_matrix_bytes=QUANT_BYTES[quantize])
     res = {"cuda_graphs": cuda_graphs, "batch": batch, "tokens_per_s": batch / t, "steps": len(steps), "ms_per_token": t * 1e3,
            "step_ms": [x * 1e3 for x in steps], "mean_context": context, "bytes_per_token": nbytes,
            "GBps": nbytes["total"] / t / 1e9, "graph_captures": captures, "graph_replays": replays,
@@ -402,19 +413,25 @@ def decode_key(name: str, batch: int) -> str:
     return name if batch == 1 else f"{name} x{batch}"
 
 
-def decode_and_graphs(res: dict, only: set, model, arch, s: Settings, copy_GBps, name: str, batch: int, save):
+def model_label(name: str, quantize: str) -> str:
+    """A loaded model's name in the results: the preset, "<preset> <mode>" when quantized while loading."""
+    return name if quantize == "none" else f"{name} {quantize}"
+
+
+def decode_and_graphs(res: dict, only: set, model, arch, s: Settings, copy_GBps, name: str, batch: int, save,
+                      quantize: str = "none"):
     """The decode and graphs cells of one preset at one batch size (graphs reuse decode's eager timing)."""
-    key = decode_key(name, batch)
+    key = decode_key(model_label(name, quantize), batch)
     if "decode" in only:
         log(f"{key}: decode")
-        res["decode"][key] = guarded(f"{key}: decode", bench_decode, model, arch, s, False, copy_GBps, batch)
+        res["decode"][key] = guarded(f"{key}: decode", bench_decode, model, arch, s, False, copy_GBps, batch, quantize)
         save(res)
     if "graphs" in only:
         log(f"{key}: decode, cuda_graphs off and on")
         off = res["decode"].get(key, {}) if "decode" in only else {}
         if "ms_per_token" not in off:
-            off = guarded(f"{key}: decode", bench_decode, model, arch, s, False, copy_GBps, batch)
-        on = guarded(f"{key}: decode with cuda_graphs", bench_decode, model, arch, s, True, copy_GBps, batch)
+            off = guarded(f"{key}: decode", bench_decode, model, arch, s, False, copy_GBps, batch, quantize)
+        on = guarded(f"{key}: decode with cuda_graphs", bench_decode, model, arch, s, True, copy_GBps, batch, quantize)
         both = "ms_per_token" in off and "ms_per_token" in on
         res["graphs"][key] = {"off_ms_per_token": off.get("ms_per_token"), "on_ms_per_token": on.get("ms_per_token"),
                               "speedup": off["ms_per_token"] / on["ms_per_token"] if both else None,
@@ -446,26 +463,27 @@ def run(s: Settings, only: set, save=lambda sections: None) -> dict:
             res[section] = {}
     for name in s.presets:
         model_sections = [x for x in ("decode", "graphs", "prefill") if x in only]
-        if model_sections:
-            log(f"{name}: loading {s.dtype} dummy weights")
-            loaded = guarded(f"{name}: load", load_model, name, s)
+        for quantize in s.quantize if model_sections else ():
+            label = model_label(name, quantize)
+            log(f"{label}: loading {s.dtype} dummy weights")
+            loaded = guarded(f"{label}: load", load_model, name, s, quantize)
             if isinstance(loaded, dict):
                 for section in model_sections:
-                    res[section][name] = loaded
-            else:
-                model, arch, load_s = loaded
-                device_bytes = cp.get_default_memory_pool().used_bytes()
-                for batch in s.decode_batches:
-                    decode_and_graphs(res, only, model, arch, s, copy_GBps, name, batch, save)
-                if "decode" in only:
-                    first = decode_key(name, s.decode_batches[0])
-                    res["decode"][first].update(load_s=load_s, device_bytes_after_load=device_bytes)
-                if "prefill" in only:
-                    log(f"{name}: prefill")
-                    res["prefill"][name] = guarded(f"{name}: prefill", bench_prefill, model, arch, s, cp, timer)
-                    save(res)
-                del model
-                free(cp)
+                    res[section][label] = loaded
+                continue
+            model, arch, load_s = loaded
+            device_bytes = cp.get_default_memory_pool().used_bytes()
+            for batch in s.decode_batches:
+                decode_and_graphs(res, only, model, arch, s, copy_GBps, name, batch, save, quantize)
+            if "decode" in only:
+                first = decode_key(label, s.decode_batches[0])
+                res["decode"][first].update(load_s=load_s, device_bytes_after_load=device_bytes)
+            if "prefill" in only:
+                log(f"{label}: prefill")
+                res["prefill"][label] = guarded(f"{label}: prefill", bench_prefill, model, arch, s, cp, timer)
+                save(res)
+            del model
+            free(cp)
         if "hf" in only:
             for batch in s.decode_batches:
                 key = decode_key(name, batch)
@@ -560,6 +578,8 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
     p.add_argument("--decode-batch", default=None, help="comma-separated sequences per decode step for the decode, "
                                                          "graphs and hf sections (default 1)")
+    p.add_argument("--quantize", default="none", help="comma-separated [model] quantize modes for the decode, graphs "
+                   "and prefill sections, each loaded in turn (e.g. none,int8: float16 and int8 weights)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD, where .git is)")
     p.add_argument("--preset", action="append", help=argparse.SUPPRESS)          # tests: other presets
     p.add_argument("--no-kernels", action="store_true", help=argparse.SUPPRESS)   # plain-CuPy ops (faster fake)
@@ -575,7 +595,8 @@ def main(argv=None) -> int:
     s = QUICK if args.quick else Settings()
     s = dataclasses.replace(s, presets=tuple(args.preset) if args.preset else s.presets,
                             repeats=args.repeats or s.repeats, kernels=not args.no_kernels,
-                            decode_batches=_batches(args.decode_batch) if args.decode_batch else s.decode_batches)
+                            decode_batches=_batches(args.decode_batch) if args.decode_batch else s.decode_batches,
+                            quantize=_modes(args.quantize))
     if not gpu_available():
         raise SystemExit("bench.gpu: cupy sees no CUDA GPU here (pip install -e '.[gpu]'; docs/gpu.md)")
     import cupy as cp
@@ -605,6 +626,13 @@ def main(argv=None) -> int:
             result["warnings"].append(f"{where} failed: {r}")
     write_results(args.out, args.name, result, report(result), log)
     return 0
+
+
+def _modes(text: str) -> tuple:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not modes or set(modes) - set(QUANT_BYTES):
+        raise SystemExit(f"bench.gpu: --quantize {text!r}: choose from {', '.join(QUANT_BYTES)}")
+    return modes
 
 
 def _batches(text: str) -> tuple:

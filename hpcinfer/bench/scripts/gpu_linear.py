@@ -1,0 +1,154 @@
+"""python -m hpcinfer.bench.scripts.gpu_linear: the decode GEMV kernels alone against the copy bandwidth and cuBLAS.
+
+For each projection shape of a preset's layer and each token count T (decode batch), the median time of one
+CupyOps.linear call (the SBI kernel, cuda_src/sbi_gemv.cu; x float32 [T, in], W [out, in] float16) and of one
+float16 cuBLAS product through torch (F.linear), each timed as REPS calls captured in one CUDA graph (so that
+Python's launch cost is out of the numbers) over enough copies of the weight to spill the L2. Reported: us per call,
+weight bytes / time in GB/s and as a fraction of the device-to-device copy measured in the same run, the SBI/cuBLAS
+time ratio, and the kernel's largest relative error against float32 x @ W^T. A diagnostic for docs/gpu.md's decode
+numbers (where the step's time goes), not a benchmark of record; needs a CUDA GPU (on the CPU stand-in the times
+mean nothing).
+
+    python -m hpcinfer.bench.scripts.gpu_linear --preset gpt2-1.5b --tokens 1,4,16 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ...arch import tensor_shapes
+from ...backend.cupy_ops import CupyOps
+from ...checkpoint.presets import PRESETS
+from ..common import median
+from .gpu import Timer
+
+REPS = 20                 # calls per captured graph
+L2_SPILL_BYTES = 256 << 20  # weight copies rotated per graph: at least this many bytes (H200 L2: 60 MB)
+
+
+def layer_shapes(arch) -> list[tuple[int, int]]:
+    """The distinct [out, in] matrix shapes of layer 0, in first-seen order."""
+    seen = []
+    for name, shape in tensor_shapes(arch).items():
+        if name.startswith("layers.0.") and len(shape) == 2 and tuple(shape) not in seen:
+            seen.append(tuple(shape))
+    return seen
+
+
+def graph_ms(cp, calls) -> float:
+    """Median ms of one call of `calls` (a list of REPS thunks) replayed as one captured CUDA graph."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for call in calls:
+            call()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = Timer(cp).repeat(lambda: graph.launch(stream), 7, warmup=0)   # events on `stream`
+    return median(times) / len(calls)
+
+
+def torch_graph_ms(torch, calls) -> float:
+    """The same for torch thunks, through torch.cuda.CUDAGraph (cuBLAS may be captured there)."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for call in calls[:3]:
+            call()                                     # warm-up: cuBLAS handles and workspaces
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return median(times)
+
+
+def copy_GBps(cp, nbytes: int) -> float:
+    src = cp.arange(nbytes // 4, dtype=np.float32)
+    dst = cp.empty_like(src)
+    ms = graph_ms(cp, [lambda: cp.copyto(dst, src)] * 4)
+    return 2 * src.nbytes / (ms / 1e3) / 1e9
+
+
+def measure(cp, torch, ops, out: int, n_in: int, tokens: int, copy: float, spill: int) -> dict:
+    wbytes = out * n_in * 2
+    copies = max(2, -(-spill // wbytes))
+    rng = np.random.default_rng(out * 7 + n_in + tokens)
+    host = rng.standard_normal((out, n_in), dtype=np.float32).astype(np.float16)
+    ws = [cp.asarray(host) for _ in range(copies)]
+    x = cp.asarray(rng.standard_normal((tokens, n_in), dtype=np.float32))
+    reference = x @ ws[0].astype(np.float32).T
+    got = ops.linear(x, ws[0])
+    err = float(cp.abs(got - reference).max() / cp.abs(reference).max())
+    ours = graph_ms(cp, [lambda w=ws[i % copies]: ops.linear(x, w) for i in range(REPS)])
+    row = {"out": out, "in": n_in, "T": tokens, "weight_MB": wbytes / 1e6, "max_rel_err": err,
+           "sbi_us": ours * 1e3, "sbi_GBps": wbytes / (ours / 1e3) / 1e9}
+    row["sbi_of_copy"] = row["sbi_GBps"] / copy
+    if torch is not None:
+        tws = [torch.as_tensor(w, device="cuda") for w in ws]
+        tx = torch.as_tensor(x, device="cuda").half()
+        theirs = torch_graph_ms(torch, [lambda w=tws[i % copies]: torch.nn.functional.linear(tx, w)
+                                        for i in range(REPS)])
+        row.update(cublas_us=theirs * 1e3, cublas_GBps=wbytes / (theirs / 1e3) / 1e9, sbi_over_cublas=ours / theirs)
+        del tws
+    del ws
+    cp.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.gpu_linear", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gpt2-1.5b", choices=sorted(PRESETS))
+    p.add_argument("--tokens", default="1,4,16", help="comma-separated token counts T")
+    p.add_argument("--out", default="bench/results", help="folder for gpu-linear.json")
+    p.add_argument("--copy-mb", type=int, default=1024, help="bytes of the copy measured (MiB)")
+    p.add_argument("--spill-mb", type=int, default=L2_SPILL_BYTES >> 20, help="weight copies per graph (MiB)")
+    args = p.parse_args(argv)
+    import cupy as cp
+    try:
+        import torch
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        torch = None
+    ops = CupyOps(device=0)
+    copy = copy_GBps(cp, args.copy_mb << 20)
+    rows = []
+    for out, n_in in layer_shapes(PRESETS[args.preset]):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            try:
+                rows.append(measure(cp, torch, ops, out, n_in, tokens, copy, args.spill_mb << 20))
+            except Exception as exc:  # noqa: BLE001 - one failing shape is reported, the others still run
+                rows.append({"out": out, "in": n_in, "T": tokens, "error": f"{type(exc).__name__}: {exc}"})
+            print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    result = {"preset": args.preset, "copy_GBps": copy, "reps_per_graph": REPS, "rows": rows,
+              "emulated": bool(getattr(cp, "_emulated", False))}
+    (Path(args.out) / "gpu-linear.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"copy {copy:.0f} GB/s\n| out x in | T | SBI us | SBI GB/s | of copy | cuBLAS us | SBI/cuBLAS | err |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['out']}x{r['in']} | {r['T']} | {r['error']} |")
+            continue
+        print(f"| {r['out']}x{r['in']} | {r['T']} | {r['sbi_us']:.1f} | {r['sbi_GBps']:.0f} | {r['sbi_of_copy']:.2f} | "
+              f"{r.get('cublas_us', float('nan')):.1f} | {r.get('sbi_over_cublas', float('nan')):.2f} | "
+              f"{r['max_rel_err']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
