@@ -10,6 +10,21 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 
+# What a process manager (Hydra, Slurm's PMI/PMIx, Open MPI's orterun) sets for the ranks it starts: a job started
+# from inside a rank (a test, a benchmark cell) must not inherit them, or it would try to join the outer job.
+LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "MPI_", "OMPI_")
+# Settings a user or a site gives Open MPI, kept although they share the OMPI_ prefix: in a container without ssh,
+# run as root (the lent GPU machine's Debian Open MPI, 2026-11-27), a singleton MPI_Init aborts unless
+# OMPI_MCA_plm=isolated, and mpiexec refuses root without the consent variables (docs/gpu.md).
+USER_MPI_SETTINGS = frozenset({"OMPI_MCA_plm", "OMPI_MCA_rmaps_base_oversubscribe",
+                               "OMPI_MCA_btl_vader_single_copy_mechanism", "OMPI_ALLOW_RUN_AS_ROOT",
+                               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"})
+
+
+def launcher_free_env(env) -> dict:
+    """A copy of `env` without the variables a process manager sets for its ranks (USER_MPI_SETTINGS kept)."""
+    return {k: v for k, v in env.items() if k in USER_MPI_SETTINGS or not k.startswith(LAUNCHER_ENV_PREFIXES)}
+
 
 def load_mpi():
     """mpi4py.MPI, or a ConfigError saying which part is missing and how to get it."""

@@ -146,3 +146,11 @@ def test_open_mpi_without_ssh_gets_the_isolated_launcher(tmp_path):
 def test_unknown_steps_are_refused(tmp_path, steps):
     with pytest.raises(SystemExit):
         gpu_check.main(["--fake", "--steps", steps, "--out", str(tmp_path)])
+
+
+def test_the_open_mpi_settings_survive_the_launcher_filter():
+    """The jobs the later steps start drop launcher variables (comm.mpi_library.launcher_free_env): the settings
+    the mpi step found must not be among them, or every singleton `hpcinfer run` aborts again."""
+    from hpcinfer.comm.mpi_library import launcher_free_env
+
+    assert launcher_free_env(gpu_check.OPEN_MPI_LOCAL) == gpu_check.OPEN_MPI_LOCAL

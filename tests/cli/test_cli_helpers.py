@@ -38,9 +38,11 @@ def test_a_single_string_is_refused():
 
 def test_launcher_variables_are_stripped_and_others_kept():
     outer = {"PMI_RANK": "1", "PMI_FD": "7", "HYDRA_CONTROL_FD": "5", "MPIR_CVAR_X": "1", "MPI_LOCALRANKID": "1",
-             "PATH": "/usr/bin", "MPIEXEC_TIMEOUT": "900", "OMP_NUM_THREADS": "1"}
+             "OMPI_COMM_WORLD_RANK": "1", "OMPI_MCA_orte_hnp_uri": "x", "OMPI_MCA_plm": "isolated",
+             "OMPI_ALLOW_RUN_AS_ROOT": "1", "PATH": "/usr/bin", "MPIEXEC_TIMEOUT": "900", "OMP_NUM_THREADS": "1"}
     env = clean_env(outer, extra={"HPCINFER_X": "y"})
-    assert env == {"PATH": "/usr/bin", "MPIEXEC_TIMEOUT": "900", "OMP_NUM_THREADS": "1", "HPCINFER_X": "y"}
+    assert env == {"PATH": "/usr/bin", "MPIEXEC_TIMEOUT": "900", "OMP_NUM_THREADS": "1", "HPCINFER_X": "y",
+                   "OMPI_MCA_plm": "isolated", "OMPI_ALLOW_RUN_AS_ROOT": "1"}   # Open MPI's user settings stay
     assert "PMI_RANK" in outer  # the caller's mapping is not modified
 
 

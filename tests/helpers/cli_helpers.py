@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Variables a process manager (Hydra, Slurm's PMI/PMIx, Open MPI) sets for its ranks.
-LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "MPI_", "OMPI_")
+from hpcinfer.comm.mpi_library import launcher_free_env
+
 # Hydra kills the job this long after our own timeout, should the test process die before killing it.
 MPIEXEC_GRACE_S = 10
 
@@ -44,9 +44,9 @@ def build_command(args, n=1, python=None, mpiexec=None):
 
 
 def clean_env(env=None, extra=None):
-    """A copy of `env` (default os.environ) without launcher variables, updated with `extra`."""
-    source = os.environ if env is None else env
-    out = {k: v for k, v in source.items() if not k.startswith(LAUNCHER_ENV_PREFIXES)}
+    """A copy of `env` (default os.environ) without launcher variables (comm.mpi_library.launcher_free_env: Open
+    MPI's user settings kept), updated with `extra`."""
+    out = launcher_free_env(os.environ if env is None else env)
     out.update(extra or {})
     return out
 

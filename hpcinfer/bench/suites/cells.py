@@ -17,10 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...comm.mpi_library import launcher_free_env
 from .config import Layout, Suite
-
-LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "MPIR_", "HYDRA_", "HYDI_", "MPI_", "OMPI_")
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -91,7 +89,7 @@ def launch_argv(launcher: tuple, python: str, ranks: int, config: Path) -> list[
 
 def run_job(argv: list[str], timeout_s: int, log_path: Path) -> tuple[int, str]:
     """Run one job in its own process group (killed whole when it overruns); (exit code, output)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV_PREFIXES)}
+    env = launcher_free_env(os.environ)
     env["MPIEXEC_TIMEOUT"] = str(timeout_s)
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
