@@ -130,6 +130,7 @@ class OffloadSection:
 
 MOE_DISPATCH = ("indexed", "one-hot")
 ALL_TO_ALL = ("flat", "hierarchical", "pcc", "pcc+hierarchical")
+BATCHING = ("auto", "continuous", "static")
 
 
 @dataclass(frozen=True)
@@ -155,10 +156,39 @@ class ScheduleSection:
     kv_offload_threshold: int | str = field(default=0, metadata=_meta(
         "device KV-cache bytes per rank above which idle micro-batches' KV goes to host memory; 0 = off",
         lambda v: _bytes_check(v)))
+    batching: str = field(default="auto", metadata=_meta(
+        "continuous (a running set of up to batch_size sequences over a paged KV cache: a finished sequence's slot "
+        "is refilled at the next step, long prompts are prefilled in chunks), static (batches of batch_size run "
+        "to their longest sequence), or auto (continuous where this runtime supports it, else static; "
+        "docs/scheduling.md)", choices=BATCHING))
+    max_batch_tokens: int = field(default=0, metadata=_meta(
+        "continuous batching: tokens per step, the running sequences' decode tokens first, then chunks of "
+        "prompts; at least [generate] batch_size; 0 = max(512, batch_size)", _non_negative))
+    kv_block_size: int = field(default=16, metadata=_meta("continuous batching: positions per KV-cache block",
+                                                          _positive))
+    kv_cache_memory: int | str = field(default=0, metadata=_meta(
+        "continuous batching: bytes of the paged KV pool per rank (\"2GiB\"), or \"N%\" of the memory left after "
+        "the weights; 0 = enough for batch_size sequences at their longest (never preempts)",
+        lambda v: _kv_memory_check(v)))
 
     @property
     def kv_offload_bytes(self) -> int:
         return parse_bytes(self.kv_offload_threshold)
+
+    def kv_memory_bytes(self, free_bytes=None) -> int:
+        """kv_cache_memory in bytes (0 = the default sizing); "N%" takes that share of free_bytes(), the memory
+        left after the weights (None where the backend cannot say: an error)."""
+        memory = self.kv_cache_memory
+        if isinstance(memory, str) and memory.strip().endswith("%"):
+            if free_bytes is None:
+                raise ConfigError(f"schedule.kv_cache_memory = {memory!r}: this backend cannot say how much memory "
+                                  f"is left after the weights; give bytes (\"2GiB\")")
+            return int(free_bytes() * float(memory.strip()[:-1]) / 100)
+        return parse_bytes(memory)
+
+    def step_tokens(self, batch_size: int) -> int:
+        """Tokens of a continuous step: max_batch_tokens, or max(512, batch_size) when it is 0."""
+        return self.max_batch_tokens or max(512, batch_size)
 
 
 @dataclass(frozen=True)
@@ -321,6 +351,10 @@ def _build(path: str, raw: dict) -> Config:
     _check_kv_cache(path, config)
     check_graphs_config(config)
     batch = config.generate.batch_size if config.generate is not None else config.embed.batch_size
+    if config.generate is not None and 0 < config.schedule.max_batch_tokens < config.generate.batch_size:
+        raise ConfigError(f"{path}: schedule.max_batch_tokens = {config.schedule.max_batch_tokens} is below "
+                          f"[generate] batch_size = {batch}: a continuous step holds one decode token of every "
+                          f"running sequence; raise it (or lower batch_size)")
     for key in ("prompt_micro_batches", "gen_micro_batches"):
         value = getattr(config.schedule, key)
         if value > batch:
@@ -406,6 +440,15 @@ def parse_bytes(value) -> int:
     if size.denominator != 1:
         raise FractionalBytes(f"{float(size):g} bytes is not a whole number of bytes")
     return int(size)
+
+
+def _kv_memory_check(value):
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            return 0 < float(value.strip()[:-1]) <= 100, "must be a percentage in (0, 100]"
+        except ValueError:
+            return False, "must be a number of bytes, a size such as \"2GiB\", or a percentage such as \"50%\""
+    return _bytes_check(value)
 
 
 def _bytes_check(value):

@@ -159,6 +159,34 @@ def _expert_mesh(config, arch) -> dict:
     return {"ep": config.parallel.ep, "expert_tp": config.parallel.expert_tp, "all_to_all": config.moe.all_to_all}
 
 
+def _percentiles(values) -> dict:
+    a = np.asarray(values, dtype=float)
+    return {f"p{q}": float(np.percentile(a, q)) if a.size else None for q in (50, 90, 99)}
+
+
+def batching_summary(batch_size: int, firsts: list, lasts: list) -> dict:
+    """`[schedule] batching` as it ran, over the dp replicas (a StepTimes each: first and last pipeline stage,
+    tp rank 0): occupancy (running sequences / batch_size, over the decode steps while prompts waited), the paged
+    KV pool (continuous), preemptions, time to first token and mean time between tokens per sequence (p50, p90,
+    p99), and the replicas' busy time (imbalance = max / mean)."""
+    steps = sum(t.occupancy_steps for t in firsts)
+    blocks = max((t.kv_blocks_total for t in lasts), default=0)
+    samples = sum(t.kv_block_samples for t in lasts)
+    busy = [t.busy_s for t in firsts]
+    return {
+        "mode": lasts[0].batching if lasts else None,
+        "occupancy": sum(t.occupancy_running for t in firsts) / (steps * batch_size) if steps else None,
+        "kv_pool_blocks": blocks,
+        "kv_pool_peak_fraction": max(t.kv_blocks_peak for t in lasts) / blocks if blocks else None,
+        "kv_pool_mean_fraction": sum(t.kv_blocks_sum for t in lasts) / samples / blocks if blocks else None,
+        "preemptions": sum(t.preemptions for t in lasts),
+        "time_to_first_token_s": _percentiles([x for t in lasts for x in t.ttft_s]),
+        "token_latency_s": _percentiles([x for t in lasts for x in t.token_latency_s]),
+        "replica_busy_s": busy,
+        "replica_imbalance": max(busy) / float(np.mean(busy)) if busy and np.mean(busy) > 0 else None,
+    }
+
+
 def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> dict:
     P = mesh.shape.pp
     firsts = [r.times for r in reports if r.coords[0] == 0 and r.coords[2] == 0]        # one per dp replica
@@ -210,6 +238,7 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
             "dequant_scratch_bytes_per_rank": scratch_bytes,           # None when the ranks did not report it
             **offload_peaks(reports),                                  # what the offload tiers held at once
         },
+        "batching": batching_summary(config.generate.batch_size, firsts, lasts),
         "kv_cache": {
             "peak_device_bytes_per_rank": max(r.times.kv_peak_device_bytes for r in reports),
             "offloaded_bytes_to_host": sum(r.times.kv_bytes_to_host for r in reports),

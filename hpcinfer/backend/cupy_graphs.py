@@ -132,7 +132,7 @@ class DecodeGraph:
         slots_d = cp.asarray(np.asarray(slots, dtype=np.int64))
         starts_d = cp.asarray(np.asarray(starts, dtype=np.int64))
         step = DeviceStep(np.asarray(slots, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-                          np.ones(S, dtype=np.int64), slots_d, starts_d, kv_len)
+                          np.ones(S, dtype=np.int64), slots_d=slots_d, starts_d=starts_d, kv_len=kv_len)
         library_calls = self.ops.library_calls
         warm = step_fn(static, step)                                 # warm-up, eager
         cp.cuda.get_current_stream().synchronize()

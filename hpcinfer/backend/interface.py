@@ -18,14 +18,36 @@ import numpy as np
 class StepLayout:
     """Host-side description of one step. S = sequences in the step, T = tokens in the step."""
 
-    slots: np.ndarray    # [S] KV-cache slot of each sequence
+    slots: np.ndarray    # [S] KV-cache slot of each sequence (a paged step: unused)
     starts: np.ndarray   # [S] positions already cached for each sequence (= position of its first new token)
     counts: np.ndarray   # [S] new tokens of each sequence; sum(counts) == T
+    tables: np.ndarray | None = None   # paged KV cache: [S, B] int32 block tables (-1 padded), else None
+    block_size: int = 0                # paged KV cache: positions per block
 
     @classmethod
     def build(cls, slots, starts, counts) -> "StepLayout":
         return cls(np.asarray(slots, dtype=np.int64), np.asarray(starts, dtype=np.int64),
                    np.asarray(counts, dtype=np.int64))
+
+    @classmethod
+    def paged(cls, tables, block_size: int, starts, counts) -> "StepLayout":
+        """A step over a paged KV cache (generate/paged_cache.py): sequence s's position p is row p % block_size
+        of block tables[s, p // block_size] of every layer's pool."""
+        return cls(np.arange(len(starts), dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                   np.asarray(counts, dtype=np.int64), np.asarray(tables, dtype=np.int32), int(block_size))
+
+    @property
+    def is_paged(self) -> bool:
+        return self.tables is not None
+
+    def flat_slots(self) -> np.ndarray:
+        """Paged steps: [T] the pool row (block * block_size + offset) of every new token."""
+        rows = np.repeat(np.arange(self.num_seqs), self.counts)                       # [T] sequence of each token
+        positions = self.positions
+        blocks = self.tables[rows, positions // self.block_size].astype(np.int64)
+        if np.any(blocks < 0):
+            raise RuntimeError("paged step: a new token's position lies past its sequence's blocks")
+        return blocks * self.block_size + positions % self.block_size
 
     @property
     def num_seqs(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..quant.formats import dequantize, slice_rows, take_rows
-from . import kv_attention, moe_ops
+from . import kv_attention, moe_ops, paged_attention
 from .interface import StepLayout, unfused_linear
 from .transfer import HostCopies
 
@@ -176,6 +176,8 @@ class NumpyOps:
         """
         if step.num_tokens == 0:                             # a replica with no tokens in a lockstep step
             return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
+        if step.is_paged:                                    # the continuous schedule's paged KV pool
+            return paged_attention.attention(self, q, k, v, cache_k, cache_v, step, scale)
         if not isinstance(cache_k, np.ndarray) or (0 < topk < 1 and step.is_decode):
             return kv_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         self._append_kv(k, v, cache_k, cache_v, step)
@@ -217,8 +219,7 @@ class NumpyOps:
     @staticmethod
     def _decode_attention(q, cache_k, cache_v, step: StepLayout, scale: float):
         """One new token per sequence, batched: q [S, H, hd] -> [S, H*hd]."""
-        S, heads, hd = q.shape
-        kv_heads = cache_k.shape[1]
+        S = q.shape[0]
         lengths = step.starts + 1                                                  # [S]
         L = int(lengths.max())
         first = int(step.slots[0])
@@ -226,6 +227,14 @@ class NumpyOps:
             keys, values = cache_k[first:first + S, :, :L], cache_v[first:first + S, :, :L]
         else:
             keys, values = cache_k[step.slots, :, :L], cache_v[step.slots, :, :L]  # [S, Hkv, L, hd]
+        return NumpyOps._decode_over(q, keys, values, lengths, scale)
+
+    @staticmethod
+    def _decode_over(q, keys, values, lengths, scale: float):
+        """q [S, H, hd] over keys, values [S, Hkv, L, hd] of which sequence s reads its first lengths[s] positions
+        -> [S, H*hd] (the dense cache's rows, or a paged pool's gathered ones: backend/paged_attention.py)."""
+        S, heads, hd = q.shape
+        kv_heads, L = keys.shape[1], keys.shape[2]
         qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)         # [S, Hkv, g, hd]
         scores = qg @ keys.transpose(0, 1, 3, 2)                                   # [S, Hkv, g, L]
         if np.any(lengths < L):

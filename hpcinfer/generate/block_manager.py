@@ -3,7 +3,7 @@ fixed-size blocks per rank and a block table per sequence. A sequence's position
 table[p // block_size] at offset p % block_size; blocks are taken as a sequence grows and given back when it ends
 (or is preempted). Only the host-side indices live here; the KV arrays that the blocks index are the cache's.
 
-Not yet wired into a schedule: the continuous-batching scheduler of issue 21 is its first user.
+Its user: the continuous schedule (generate/schedules/continuous.py) through generate/paged_cache.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ generate/schedules/.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,8 @@ class Sequence:
     rng: np.random.Generator
     generated: list = field(default_factory=list)
     finish_reason: str | None = None
+    first_token_s: float | None = None    # time.perf_counter() when its first token was sampled
+    finish_s: float | None = None         # ... and when it stopped
 
     @property
     def length(self) -> int:
@@ -76,3 +79,14 @@ class StepTimes:
     graph_captures: int = 0      # [runtime] cuda_graphs: decode graphs captured (once per run and key)
     graph_replays: int = 0       # decode steps run from a captured graph
     graph_eager_steps: int = 0   # decode steps of keys a graph cannot capture (cuBLAS), run eagerly instead
+    batching: str = "static"     # [schedule] batching as it ran: static or continuous
+    start_s: float = field(default_factory=time.perf_counter)   # the replica's start: time to first token from it
+    ttft_s: list = field(default_factory=list)            # per finished sequence: first token - start_s
+    token_latency_s: list = field(default_factory=list)   # per sequence of >= 2 tokens: mean time between tokens
+    occupancy_steps: int = 0     # steps that could have been full (static: every decode step; continuous: while
+    occupancy_running: int = 0   # prompts wait) and the running sequences summed over them
+    preemptions: int = 0         # continuous: sequences preempted when the KV pool ran out
+    kv_blocks_total: int = 0     # continuous: the paged pool's blocks, the most in use, and the use summed over
+    kv_blocks_peak: int = 0      # steps (mean = sum / samples)
+    kv_blocks_sum: int = 0
+    kv_block_samples: int = 0

@@ -14,6 +14,8 @@ The schedules (generate/schedules/) are loops over these. Shape legend: T=tokens
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..comm.mappings import broadcast_from_tp_root
@@ -92,15 +94,23 @@ class Runner:
             self.on_sample()
         chosen = sample(logits, self.params.sampling, [s.rng for s in seqs])
         chosen = broadcast_from_tp_root(chosen, self.model.tp).tolist()
+        now = time.perf_counter()
         for seq, token in zip(seqs, chosen):
             record_token(seq, token, self.eos, self.params.max_new_tokens)
+            seq.first_token_s = seq.first_token_s or now
+            seq.finish_s = now if seq.finish_reason is not None else None
         return chosen
 
     @staticmethod
     def account(seqs: list, times: StepTimes) -> list:
-        """Count a finished batch's tokens; [(generated ids, finish_reason)] in its order."""
+        """Count a finished batch's tokens and latencies; [(generated ids, finish_reason)] in its order."""
         times.prompt_tokens += sum(len(s.prompt) for s in seqs)
         times.generated_tokens += sum(len(s.generated) for s in seqs)
+        for s in seqs:
+            if s.first_token_s is not None:
+                times.ttft_s.append(s.first_token_s - times.start_s)
+            if s.finish_s is not None and len(s.generated) > 1:
+                times.token_latency_s.append((s.finish_s - s.first_token_s) / (len(s.generated) - 1))
         return [(s.generated, s.finish_reason) for s in seqs]
 
     def close(self) -> None:
