@@ -5,12 +5,19 @@ NumpyOps.attention / bidirectional_attention are the spec.
 
 Decode (one new token per sequence): decode_attention.cu with the append fused, or kv_append + batched CuPy array
 code; a DeviceStep (cupy_graphs.py) is read from its device buffers only, so the step can be captured in a CUDA
-graph. Prefill: kv_append.cu + prefill_attention.cu over packed sequences, or CuPy array code per sequence.
+graph. One block per (KV head, sequence) leaves most SMs idle in a small batch (25 blocks on an H200's 132 for
+gpt2-1.5b at batch 1: 27 us for 2 MB of K/V), so there `launch_decode` splits each context into C chunks
+(flash-decoding, decode_attention_core.cuh): a block per chunk writes its partial softmax to a float32 workspace
+and a second small kernel merges them in chunk order (deterministic). C (decode_splits) depends only on the batch
+size, the KV heads, the positions read (a graph key's KV bucket) and the device, so a captured grid stays valid at
+every replay; the kernels cut each sequence's own length, read on the device, into the C chunks.
+Prefill: kv_append.cu + prefill_attention.cu over packed sequences, or CuPy array code per sequence.
 Encoders: kv_append packs each sequence into a scratch cache, then prefill_attention.cu with CAUSAL=0.
 A QuantizedKV cache, and top-k decode, go to cupy_kv.py.
 
 Shape legend: T=tokens (all sequences of a step, packed), H=query heads, Hkv=KV heads, g=H/Hkv, hd=head dim,
-S=sequences in the step, n=new tokens of one sequence, L=cached positions read, N=cache slots, Lmax=cache length.
+S=sequences in the step, n=new tokens of one sequence, L=cached positions read, N=cache slots, Lmax=cache length,
+C=chunks of each context (flash-decoding).
 """
 
 from __future__ import annotations
@@ -50,15 +57,13 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     kernel_shapes = (q.dtype == k.dtype == v.dtype == F32 and heads % kv_heads == 0 and hd <= 128)
     if step.is_decode:
         slots, starts, L = decode_indices(ops, step, cache_k.shape[2])
-        fn = ops._kernel("decode_attention", "decode_attention", NWARPS=4, MAX_HEAD_DIM=128, MAX_GROUP=8)
-        if fn is not None and kernel_shapes and heads // kv_heads <= 8:
+        single = ops._kernel("decode_attention", "decode_attention", **DECODE)
+        if single is not None and kernel_shapes and heads // kv_heads <= DECODE["MAX_GROUP"]:
+            split = ops._kernel("decode_attention", "decode_attention_split", **DECODE)
             (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
-            S = q.shape[0]
-            out = cp.empty((S, heads * hd), dtype=F32)
-            fn((kv_heads, S), (32, 4), (q, k, v, cache_k, cache_v, slots, starts, out, _i32(heads),
-                                        _i32(kv_heads), _i32(hd), _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk),
-                                        _i64(ldv), _i64(heads * hd), _f32c(scale)))
-            return out
+            return launch_decode(ops, single, split, (q.shape[0], heads, kv_heads, hd), L, lambda out, ldo: (
+                q, k, v, cache_k, cache_v, slots, starts, out, _i32(heads), _i32(kv_heads), _i32(hd),
+                _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk), _i64(ldv), *ldo, _f32c(scale)))
         ops.k.kv_append(cp.ascontiguousarray(k, dtype=F32), cp.ascontiguousarray(v, dtype=F32), slots, starts,
                         cache_k.shape[1], cache_k.shape[2], cache_k.shape[3], cache_k, cache_v, size=k.size)
         return _decode_attention(ops, q, cache_k, cache_v, slots, starts, L, step, scale)
@@ -77,6 +82,60 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     return out
 
 
+# ---- decode kernels: one pass, or flash-decoding ------------------------------------------------------------------
+DECODE = {"NWARPS": 4, "MAX_HEAD_DIM": 128, "MAX_GROUP": 8}     # the decode kernels' bounds (and cupy_kv's)
+SPLIT_BLOCKS_PER_SM = 2       # flash-decoding aims at this many blocks per SM
+SPLIT_MIN_POSITIONS = 16      # positions per chunk at least, on average (4 per warp): the combine must pay off
+SPLIT_MAX = 64                # chunks per (sequence, KV head) at most (workspace S H C (2 + hd) float32)
+
+
+def decode_splits(blocks: int, positions: int, sm_count: int) -> int:
+    """Chunks C of each (sequence, KV head)'s context: 1 (one pass) when the `blocks` = S Hkv blocks already give
+    SPLIT_BLOCKS_PER_SM per SM or the context is short, else enough for that grid, each chunk keeping about
+    SPLIT_MIN_POSITIONS of the `positions` read. Only values fixed for a CUDA graph's key go in (S, Hkv, the key's
+    KV bucket, the device): the captured grid then stays valid at every replay, the kernels cutting each
+    sequence's own length into the C chunks on the device. sm_count 0 (unknown): one pass."""
+    if sm_count <= 0:
+        return 1
+    wanted = -(-SPLIT_BLOCKS_PER_SM * sm_count // blocks)
+    return max(1, min(wanted, positions // SPLIT_MIN_POSITIONS, SPLIT_MAX))
+
+
+def sm_count(ops) -> int:
+    """The device's SM count (cached on the ops as CupyOps._grid does); 0 when the ops' xp has no device (the
+    tests' NumPy stand-ins, which set `_sm_count` to choose)."""
+    if getattr(ops, "_sm_count", None) is None:
+        try:
+            ops._sm_count = ops.xp.cuda.Device().attributes["MultiProcessorCount"]
+        except AttributeError:                                  # numpy as xp: no device
+            return 0
+    return ops._sm_count
+
+
+def launch_decode(ops, single, split, shape: tuple, positions: int, args):
+    """Run one of the decode attention kernel pairs (decode_attention.cu, decode_attention_quant.cu) -> out
+    [S, H*hd] float32. shape = (S, H, Hkv, hd); `positions`: the positions read (the longest sequence, or a
+    graph's KV bucket); args(target, ldo) -> the launch arguments with `target` the output (ldo its row stride,
+    a 1-tuple) or the flash-decoding workspace (ldo ()). One pass: `single` on grid (Hkv, S). Flash-decoding
+    (decode_splits > 1): `split` on grid (Hkv, S, C) writes each chunk's partial into part [S, H, C, 2 + hd],
+    then decode_attention_combine merges them in order. Reads no host value (graph-capturable)."""
+    cp = ops.xp
+    S, heads, kv_heads, hd = shape
+    out = cp.empty((S, heads * hd), dtype=F32)
+    block = (32, DECODE["NWARPS"])
+    chunks = decode_splits(kv_heads * S, positions, sm_count(ops))
+    if chunks == 1:
+        single((kv_heads, S), block, args(out, (_i64(heads * hd),)))
+        return out
+    part = cp.empty((S, heads, chunks, 2 + hd), dtype=F32)                        # m, l, acc[hd] per chunk
+    split((kv_heads, S, chunks), block, args(part, ()))
+    combine = ops._kernel("decode_attention", "decode_attention_combine", **DECODE)
+    combine((-(-heads * hd // (32 * DECODE["NWARPS"])), S), block,
+            (part, out, _i32(heads), _i32(hd), _i32(chunks), _i64(heads * hd)))
+    return out
+
+
+# ---- prefill ---------------------------------------------------------------------------------------------------
 def _prefill_kernels(ops, append, attend, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
     """kv_append then prefill_attention over packed sequences (offsets [S+1] on the device)."""
     cp = ops.xp

@@ -5,7 +5,8 @@ are stored quantized; top-k keeps ceil(topk * length) positions per query head, 
 `CupyOps.attention` hands over here when the cache is a QuantizedKV (its q, scale and min arrays on the device) or
 when a decode step asks for top-k. Kernels (cuda_src/, KV_BITS = 4 | 8):
 - decode: decode_attention_quant.cu reads the quantized cache and dequantizes in registers, the new rows fused in
-  (quantized into the cache by the same launch); no float copy of the cache.
+  (quantized into the cache by the same launch); no float copy of the cache. Small batches split each context
+  across blocks (flash-decoding) as the float cache does: cupy_attention.launch_decode chooses and launches.
 - prefill: kv_quant.cu's kv_dequantize_rows writes only the rows the step reads (each sequence's positions before its
   new tokens) into a float scratch cache [S, Hkv, Lp, hd]; the float path (kv_append + prefill_attention) attends
   over it; kv_quantize_append then stores the new rows quantized.
@@ -27,13 +28,13 @@ import numpy as np
 
 from ..quant.formats import QuantError
 from ..quant.kv import KVFormat, QuantizedKV
+from . import cupy_attention
 from .interface import StepLayout
 from .kv_attention import keep_counts
 
 F32, F16 = np.float32, np.float16
 _i32, _i64, _f32c = np.int32, np.int64, np.float32
 BLOCK = 128
-DECODE = {"NWARPS": 4, "MAX_HEAD_DIM": 128, "MAX_GROUP": 8}     # decode_attention_quant.cu's bounds
 
 
 def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
@@ -92,15 +93,14 @@ def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
     kv_heads, lmax = cache_k.shape[1], cache_k.shape[2]
     slots, starts, L = ops._decode_indices(step, lmax)
     fmt = cache_k.fmt
-    fn = _kernel(ops, "decode_attention_quant", "decode_attention_quant", fmt, **DECODE)
-    if fn is not None and heads // kv_heads <= DECODE["MAX_GROUP"] and hd <= DECODE["MAX_HEAD_DIM"]:
+    bounds = cupy_attention.DECODE                          # the float decode kernels' defines (one block shape)
+    single = _kernel(ops, "decode_attention_quant", "decode_attention_quant", fmt, **bounds)
+    if single is not None and heads // kv_heads <= bounds["MAX_GROUP"] and hd <= bounds["MAX_HEAD_DIM"]:
+        split = _kernel(ops, "decode_attention_quant", "decode_attention_quant_split", fmt, **bounds)
         (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
-        out = cp.empty((S, heads * hd), dtype=F32)
-        fn((kv_heads, S), (32, DECODE["NWARPS"]),
-           (q, k, v, *cache_k.parts(), *cache_v.parts(), slots, starts, out, _i32(heads), _i32(kv_heads), _i32(hd),
-            _i32(fmt.group), _i32(lmax), _i64(ldq), _i64(ldk), _i64(ldv), _i64(heads * hd), _f32c(scale),
-            _status(ops)))
-        return out
+        return cupy_attention.launch_decode(ops, single, split, (S, heads, kv_heads, hd), L, lambda out, ldo: (
+            q, k, v, *cache_k.parts(), *cache_v.parts(), slots, starts, out, _i32(heads), _i32(kv_heads), _i32(hd),
+            _i32(fmt.group), _i32(lmax), _i64(ldq), _i64(ldk), _i64(ldv), *ldo, _f32c(scale), _status(ops)))
     keys = _read_prefix(ops, cache_k, slots, L)                                       # [S, Hkv, L, hd]
     values = _read_prefix(ops, cache_v, slots, L)
     at = cp.arange(S)
