@@ -1,0 +1,126 @@
+"""CuPy attention over a paged KV cache (issue 21; the continuous schedule's StepLayout.paged): the body of
+CupyOps.attention for a paged step, as a function of the ops. backend/paged_attention.py (NumpyOps) is the spec:
+append the step's rows at their flat slots, then decode steps attend each sequence's first start + 1 positions
+through its block table, prefill and mixed steps attend causally per sequence.
+
+Kernels: cuda_src/paged_attention.cu. paged_kv_append writes the rows; paged_decode_attention reads the pool
+through the tables on the device (grid (Hkv, S), the GQA group sharing each K/V row). Prefill and mixed steps, and
+decode steps the kernel does not take (head dim > MAX_HEAD_DIM, groups > MAX_GROUP, non-float32 q, kernels off),
+gather each sequence's cached blocks into a dense scratch cache [S, Hkv, L, hd] and run the dense cache's own
+path on it (cupy_attention.attention: prefill_attention.cu, or its plain-CuPy fallbacks, chosen as it chooses), so
+a paged step gives the dense step's numbers.
+
+Shape legend: T=tokens, S=sequences, H=query heads, Hkv=KV heads, g=H/Hkv, hd=head dim, bs=block size,
+B=blocks in the widest table, L=positions of the longest sequence after the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cupy_attention
+from .interface import StepLayout
+
+F32 = np.float32
+_i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
+PAGED = {"NWARPS": 4, "MAX_HEAD_DIM": 128, "MAX_GROUP": 8}   # paged_decode_attention's bounds (the dense kernel's)
+APPEND_BLOCK = 128
+
+
+def attention(ops, q, k, v, pool_k, pool_v, step: StepLayout, scale: float):
+    """A paged step: q [T, H, hd]; k, v [T, Hkv, hd] appended at the step's flat slots; pools [blocks, Hkv, bs, hd]
+    float32 -> [T, H*hd]."""
+    cp = ops.xp
+    if step.num_tokens == 0:
+        return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
+    ops._check_cache(pool_k, pool_v)
+    append(ops, pool_k, pool_v, uploaded(ops, step, "slots", step.flat_slots), k, v)
+    if step.is_decode:
+        decode = _decode_kernel(ops, q, pool_k)
+        if decode is not None:
+            return decode_attention(ops, decode, q, pool_k, pool_v, step, scale)
+    return _dense(ops, q, k, v, pool_k, pool_v, step, scale)
+
+
+def append(ops, pool_k, pool_v, slots, k, v) -> None:
+    """k, v [T, Hkv, hd] into the pools at flat slots [T] (block * bs + offset, int64 on the device):
+    paged_kv_append, or CuPy's scatter where the kernel is off or the rows are not float32."""
+    _, kv_heads, bs, hd = pool_k.shape
+    fn = ops._kernel("paged_attention", "paged_kv_append", BLOCK=APPEND_BLOCK)
+    if fn is None or k.dtype != F32 or v.dtype != F32:
+        blocks, offsets = slots // bs, slots % bs
+        pool_k[blocks, :, offsets] = k
+        pool_v[blocks, :, offsets] = v
+        return
+    (k, ldk), (v, ldv) = ops._rows(k), ops._rows(v)
+    fn((int(slots.shape[0]),), (APPEND_BLOCK,),
+       (k, v, pool_k, pool_v, slots, _i32(kv_heads), _i32(hd), _i32(bs), _i64(ldk), _i64(ldv)))
+
+
+def _decode_kernel(ops, q, pool_k):
+    """paged_decode_attention when it takes these shapes (float32 q, g <= MAX_GROUP, hd <= MAX_HEAD_DIM), else None."""
+    heads, hd, kv_heads = q.shape[1], q.shape[2], pool_k.shape[1]
+    fits = (q.dtype == F32 and heads % kv_heads == 0 and heads // kv_heads <= PAGED["MAX_GROUP"] and
+            hd <= PAGED["MAX_HEAD_DIM"])
+    return ops._kernel("paged_attention", "paged_decode_attention", **PAGED) if fits else None
+
+
+def decode_attention(ops, fn, q, pool_k, pool_v, step: StepLayout, scale: float):
+    """One new token per sequence, its row already appended: q [S, H, hd] -> [S, H*hd]; the tables [S, B] and the
+    lengths starts + 1 [S] go down as int32 (BlockTables' padding -1 stays: the kernel reads no entry past a
+    length)."""
+    cp = ops.xp
+    S, heads, hd = q.shape
+    kv_heads, bs = pool_k.shape[1], pool_k.shape[2]
+    tables = uploaded(ops, step, "tables", lambda: np.ascontiguousarray(step.tables, dtype=np.int32))   # [S, B]
+    lengths = uploaded(ops, step, "lengths", lambda: (step.starts + 1).astype(np.int32))                 # [S]
+    q, ldq = ops._rows(q)
+    out = cp.empty((S, heads * hd), dtype=F32)
+    fn((kv_heads, S), (32, PAGED["NWARPS"]),
+       (q, pool_k, pool_v, tables, lengths, out, _i32(heads), _i32(kv_heads), _i32(hd), _i32(bs),
+        _i32(tables.shape[1]), _i64(ldq), _i64(heads * hd), _f32c(scale)))
+    return out
+
+
+def _dense(ops, q, k, v, pool_k, pool_v, step: StepLayout, scale: float):
+    """The dense cache's path on a scratch copy: each sequence's cached positions gathered into slot s of a cache
+    [S, Hkv, L, hd], then cupy_attention.attention on the dense layout (it appends the step's rows there and
+    attends, with kernels or plain CuPy as it chooses)."""
+    index = uploaded(ops, step, "gather", lambda: gather_index(step))
+    scratch_k, scratch_v = (gather(ops, pool, *index) for pool in (pool_k, pool_v))
+    dense = StepLayout.build(np.arange(step.num_seqs), step.starts, step.counts)
+    return cupy_attention.attention(ops, q, k, v, scratch_k, scratch_v, dense, scale)
+
+
+def gather_index(step: StepLayout):
+    """Where each sequence's cached positions (those before its start) lie: blocks [S, L] and offsets [L] of
+    position p (block 0 where p is not cached: any real block), kept [S, L] (p < start); L = the longest
+    sequence after the step (its table holds that many positions)."""
+    positions = np.arange(int((step.starts + step.counts).max()))
+    kept = positions[None, :] < step.starts[:, None]                                 # [S, L]
+    blocks = np.where(kept, step.tables[:, positions // step.block_size], 0)          # [S, L]
+    return blocks, positions % step.block_size, kept
+
+
+def gather(ops, pool, blocks, offsets, kept):
+    """pool [blocks, Hkv, bs, hd] and gather_index's arrays on the device -> [S, Hkv, L, hd] contiguous float32:
+    the kept positions, zeros elsewhere. Zeros, not whatever the pool holds there (another sequence's stale rows,
+    the blocks of no sequence): the CuPy decode fallback masks scores, and a masked NaN row would still poison
+    its output (0 * NaN)."""
+    cp = ops.xp
+    rows = pool[blocks, :, offsets]                                                  # [S, L, Hkv, hd]
+    rows = cp.where(kept[:, :, None, None], rows, F32(0))
+    return cp.ascontiguousarray(rows.transpose(0, 2, 1, 3))                          # [S, Hkv, L, hd]
+
+
+def uploaded(ops, step: StepLayout, name: str, make):
+    """make() -> a host array (or a tuple of them), on the device once per step: every layer gets the same StepLayout
+    (PagedKVCache.layer_step), so its slots, tables and gather indices go down once a step, not once a layer.
+    The ops keep the last step's copies (the step itself is the key: identity, held, so never a stale match)."""
+    step_arrays = getattr(ops, "_paged_uploads", None)
+    if step_arrays is None or step_arrays[0] is not step:
+        step_arrays = ops._paged_uploads = (step, {})
+    if name not in step_arrays[1]:
+        made = make()
+        step_arrays[1][name] = tuple(map(ops.xp.asarray, made)) if isinstance(made, tuple) else ops.xp.asarray(made)
+    return step_arrays[1][name]
