@@ -11,7 +11,7 @@ import pytest
 
 import emu_cupy as emu
 import kernel_emulator as emulate
-from hpcinfer.backend import cupy_attention
+from hpcinfer.backend import cupy_decode
 from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.quant.kv import QuantizedKV, kv_format
@@ -29,12 +29,12 @@ def gpu(monkeypatch):
     emu.install(monkeypatch, sm_count=132)
     from hpcinfer.backend.cupy_ops import CupyOps
 
-    chosen, choose = [], cupy_attention.decode_splits
+    chosen, choose = [], cupy_decode.decode_splits
 
     def spy(*args):
         chosen.append(choose(*args))
         return chosen[-1]
-    monkeypatch.setattr(cupy_attention, "decode_splits", spy)
+    monkeypatch.setattr(cupy_decode, "decode_splits", spy)
     return CupyOps(device=0), chosen
 
 

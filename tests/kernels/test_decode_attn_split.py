@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcinfer.backend.cupy_attention import SPLIT_MAX, decode_splits
+from hpcinfer.backend.cupy_decode import SPLIT_MAX, decode_splits
 from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.quant.kv import QuantizedKV, kv_format
