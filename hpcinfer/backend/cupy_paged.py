@@ -3,12 +3,14 @@ CupyOps.attention for a paged step, as a function of the ops. backend/paged_atte
 append the step's rows at their flat slots, then decode steps attend each sequence's first start + 1 positions
 through its block table, prefill and mixed steps attend causally per sequence.
 
-Kernels: cuda_src/paged_attention.cu. paged_kv_append writes the rows; paged_decode_attention reads the pool
-through the tables on the device (grid (Hkv, S), the GQA group sharing each K/V row). Prefill and mixed steps, and
-decode steps the kernel does not take (head dim > MAX_HEAD_DIM, groups > MAX_GROUP, non-float32 q, kernels off),
-gather each sequence's cached blocks into a dense scratch cache [S, Hkv, L, hd] and run the dense cache's own
-path on it (cupy_attention.attention: prefill_attention.cu, or its plain-CuPy fallbacks, chosen as it chooses), so
-a paged step gives the dense step's numbers.
+Decode: cuda_src/paged_attention.cu's paged_decode_attention appends each sequence's row and reads the pool through
+the tables on the device, the dense decode kernels' attention (decode_attention_core.cuh) with a paged reader; a
+small batch splits each context into chunks (flash-decoding) exactly as the dense path does, through
+cupy_attention.launch_decode (the same chunk-count policy and combine kernel). Prefill and mixed steps, and decode
+steps the kernel does not take (head dim > MAX_HEAD_DIM, groups > MAX_GROUP, non-float32 rows, kernels off):
+paged_kv_append (or CuPy's scatter), then each sequence's cached blocks gathered into a dense scratch cache
+[S, Hkv, L, hd] and the dense cache's own path run on it (cupy_attention.attention: prefill_attention.cu, or its
+plain-CuPy fallbacks, chosen as it chooses), so a paged step gives the dense step's numbers.
 
 Shape legend: T=tokens, S=sequences, H=query heads, Hkv=KV heads, g=H/Hkv, hd=head dim, bs=block size,
 B=blocks in the widest table, L=positions of the longest sequence after the step.
@@ -19,11 +21,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import cupy_attention
+from .cupy_attention import DECODE, launch_decode
 from .interface import StepLayout
 
 F32 = np.float32
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
-PAGED = {"NWARPS": 4, "MAX_HEAD_DIM": 128, "MAX_GROUP": 8}   # paged_decode_attention's bounds (the dense kernel's)
 APPEND_BLOCK = 128
 
 
@@ -34,11 +36,11 @@ def attention(ops, q, k, v, pool_k, pool_v, step: StepLayout, scale: float):
     if step.num_tokens == 0:
         return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
     ops._check_cache(pool_k, pool_v)
-    append(ops, pool_k, pool_v, uploaded(ops, step, "slots", step.flat_slots), k, v)
     if step.is_decode:
-        decode = _decode_kernel(ops, q, pool_k)
-        if decode is not None:
-            return decode_attention(ops, decode, q, pool_k, pool_v, step, scale)
+        kernels = _decode_kernels(ops, q, k, v, pool_k)
+        if kernels is not None:
+            return decode_attention(ops, *kernels, q, k, v, pool_k, pool_v, step, scale)
+    append(ops, pool_k, pool_v, uploaded(ops, step, "slots", step.flat_slots), k, v)
     return _dense(ops, q, k, v, pool_k, pool_v, step, scale)
 
 
@@ -57,29 +59,37 @@ def append(ops, pool_k, pool_v, slots, k, v) -> None:
        (k, v, pool_k, pool_v, slots, _i32(kv_heads), _i32(hd), _i32(bs), _i64(ldk), _i64(ldv)))
 
 
-def _decode_kernel(ops, q, pool_k):
-    """paged_decode_attention when it takes these shapes (float32 q, g <= MAX_GROUP, hd <= MAX_HEAD_DIM), else None."""
+def _decode_kernels(ops, q, k, v, pool_k):
+    """(paged_decode_attention, its split twin) when they take these shapes (float32 q, k, v; g <= MAX_GROUP,
+    hd <= MAX_HEAD_DIM), else None."""
     heads, hd, kv_heads = q.shape[1], q.shape[2], pool_k.shape[1]
-    fits = (q.dtype == F32 and heads % kv_heads == 0 and heads // kv_heads <= PAGED["MAX_GROUP"] and
-            hd <= PAGED["MAX_HEAD_DIM"])
-    return ops._kernel("paged_attention", "paged_decode_attention", **PAGED) if fits else None
+    fits = (q.dtype == k.dtype == v.dtype == F32 and heads % kv_heads == 0 and
+            heads // kv_heads <= DECODE["MAX_GROUP"] and hd <= DECODE["MAX_HEAD_DIM"])
+    single = ops._kernel("paged_attention", "paged_decode_attention", **DECODE) if fits else None
+    if single is None:
+        return None
+    return single, ops._kernel("paged_attention", "paged_decode_attention_split", **DECODE)
 
 
-def decode_attention(ops, fn, q, pool_k, pool_v, step: StepLayout, scale: float):
-    """One new token per sequence, its row already appended: q [S, H, hd] -> [S, H*hd]; the tables [S, B] and the
-    lengths starts + 1 [S] go down as int32 (BlockTables' padding -1 stays: the kernel reads no entry past a
-    length)."""
-    cp = ops.xp
+def decode_attention(ops, single, split, q, k, v, pool_k, pool_v, step: StepLayout, scale: float):
+    """One new token per sequence: q [S, H, hd], k, v [S, Hkv, hd] -> [S, H*hd], the rows appended by the kernel.
+    The tables [S, B] and the lengths starts + 1 [S] go down as int32 (BlockTables' padding -1 stays: the kernel
+    reads no entry past a length); one pass or flash-decoding as launch_decode picks for the longest length."""
     S, heads, hd = q.shape
     kv_heads, bs = pool_k.shape[1], pool_k.shape[2]
     tables = uploaded(ops, step, "tables", lambda: np.ascontiguousarray(step.tables, dtype=np.int32))   # [S, B]
-    lengths = uploaded(ops, step, "lengths", lambda: (step.starts + 1).astype(np.int32))                 # [S]
-    q, ldq = ops._rows(q)
-    out = cp.empty((S, heads * hd), dtype=F32)
-    fn((kv_heads, S), (32, PAGED["NWARPS"]),
-       (q, pool_k, pool_v, tables, lengths, out, _i32(heads), _i32(kv_heads), _i32(hd), _i32(bs),
-        _i32(tables.shape[1]), _i64(ldq), _i64(heads * hd), _f32c(scale)))
-    return out
+    lengths = uploaded(ops, step, "lengths", lambda: decode_lengths(step))                               # [S]
+    (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
+    return launch_decode(ops, single, split, (S, heads, kv_heads, hd), int(step.starts.max()) + 1, lambda out, ldo: (
+        q, k, v, pool_k, pool_v, tables, lengths, out, _i32(heads), _i32(kv_heads), _i32(hd), _i32(bs),
+        _i32(tables.shape[1]), _i64(ldq), _i64(ldk), _i64(ldv), *ldo, _f32c(scale)))
+
+
+def decode_lengths(step: StepLayout):
+    """[S] int32: the positions each decode token attends, start + 1 (its own row the last); flat_slots first
+    raises if a new row has no block in its table (the kernel would write through a -1)."""
+    step.flat_slots()
+    return (step.starts + 1).astype(np.int32)
 
 
 def _dense(ops, q, k, v, pool_k, pool_v, step: StepLayout, scale: float):

@@ -1,9 +1,10 @@
 """backend/cupy_paged.py on the CPU stand-in for cupy (fixture `emu_cupy`; its kernels run on the emulator):
-cupy_paged.attention equals backend/paged_attention.attention (NumpyOps, the spec) for decode, prefill and mixed
-steps over block tables scattered through a NaN-poisoned pool (-1 padded, as BlockTables makes them), with the
-kernels and with plain CuPy, on the kernels' shapes and on the ones they leave to the fallbacks (group 16, head
-dim 160); the pools equal the spec's after the append. End to end: a tiny-dense Decoder on CupyOps through the
-continuous schedule gives the NumPy tokens (CupyOps.attention routed to cupy_paged here, as the lead wires it)."""
+cupy_paged.attention equals backend/paged_attention.attention (NumpyOps, the spec) for decode (one pass and
+flash-decoding), prefill and mixed steps over block tables scattered through a NaN-poisoned pool (-1 padded, as
+BlockTables makes them), with the kernels and with plain CuPy, on the kernels' shapes and on the ones they leave
+to the fallbacks (group 16, head dim 160); the pools equal the spec's after the append. End to end: a tiny-dense
+Decoder on CupyOps through the continuous schedule gives the NumPy tokens (paged steps routed to cupy_paged in the
+test, as CupyOps.attention does once wired)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ STEPS = {   # (starts, counts): positions cached before the step, new tokens
     "decode": ([0, 5, 17, 8], [1, 1, 1, 1]),            # only the new row; partial last blocks; several blocks
     "prefill": ([0, 0], [6, 9]),
     "mixed": ([6, 0, 11], [1, 7, 3]),                   # a decode token, a prompt, a prompt's later chunk
+    "long-decode": ([47, 3, 0], [1, 1, 1]),             # long enough to split on many SMs (flash-decoding)
 }
 
 
@@ -83,15 +85,23 @@ def test_shapes_past_the_kernel_bounds_take_the_fallback(emu_cupy, ops, H, Hkv, 
         check_against_numpy(emu_cupy, ops, kind, 4, H, Hkv, hd, seed=1)
 
 
-def test_decode_runs_the_paged_kernel(emu_cupy, monkeypatch):
+@pytest.mark.parametrize("sms, kind, want", [
+    (0, "decode", ["paged_decode_attention"]),                               # unknown device: one pass
+    (132, "long-decode", ["paged_decode_attention_split", "decode_attention_combine"]),   # 48 positions: 3 chunks
+], ids=["one-pass", "flash-decoding"])
+def test_decode_runs_the_paged_kernels_alone(emu_cupy, monkeypatch, sms, kind, want):
     from hpcinfer.backend.cupy_ops import CupyOps
 
-    launched = []
-    real = CupyOps._kernel
-    monkeypatch.setattr(CupyOps, "_kernel", lambda self, name, fn, **d: launched.append(fn) or real(self, name, fn,
-                                                                                                     **d))
-    check_against_numpy(emu_cupy, CupyOps(device=0), "decode", 4, 4, 2, 16)
-    assert launched == ["paged_kv_append", "paged_decode_attention"]      # no gather, no dense kernel
+    launched, real = [], CupyOps._kernel
+
+    def spy(self, name, function, **defines):
+        fn = real(self, name, function, **defines)
+        return lambda *args: launched.append(function) or fn(*args)
+    monkeypatch.setattr(CupyOps, "_kernel", spy)
+    ops = CupyOps(device=0)
+    ops._sm_count = sms
+    check_against_numpy(emu_cupy, ops, kind, 4, 4, 2, 16)
+    assert launched == want                                                  # the append fused: no gather
 
 
 def test_an_empty_step_returns_no_rows(emu_cupy, ops):
