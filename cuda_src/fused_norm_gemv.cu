@@ -1,17 +1,17 @@
 // Deep-Fusion regions 1 and 3: the input normalization fused into the small-batch GEMV.
 //   region 1: qkv = norm(x) @ Wqkv^T (+ bias)
 //   region 3: h = act(norm(x) @ Wup^T + bias), or with GATED=1 the SiLU-gated MLP h = act(gate) * up
-// Every block recomputes the norm statistics of the T <= MAX_TOKENS input rows (cheap: T * in elements from L2)
-// and normalizes x as it streams the weights; the GEMV itself is the SBI-GeMM of sbi_core.cuh (layout, tiling,
-// reductions and epilogue are described there). References: NumpyOps.rms_norm / layer_norm, then linear
-// (+ activation / gated_activation).
+// Every block recomputes the norm statistics of the T <= MAX_TOKENS input rows (T * in elements from L2; with
+// TILING=1 from the x it stages in shared memory when the rows fit one tile) and normalizes x as it uses it; the
+// GEMV itself is the SBI-GeMM of sbi_core.cuh (layout, tilings, reductions and epilogue are described there).
+// References: NumpyOps.rms_norm / layer_norm, then linear (+ activation / gated_activation).
 //
 // kernel fused_norm_gemv(const act_t* x, const float* gamma, const float* beta, float eps, const storage_t* w,
 //                        const float* bias, const act_t* residual, act_t* y, float* partial, int T, int in, int out,
 //                        long long ldx, long long ldr, long long ldy)
 //   x [T, in] rows ldx apart (the un-normalized residual stream); gamma, beta [in] float32 (beta read only when
 //   NORM=2 and NORM_BIAS=1); the other arguments as sbi_gemv's (sbi_gemv.cu).
-// Launch: grid (ceil(ncols / (32 * ROWS)), SPLITS), block (32, WARPS); no dynamic shared memory.
+// Launch: as sbi_gemv's (grid by TILING, block (32, WARPS)); no dynamic shared memory.
 // kernel fused_norm_gemv_reduce: as sbi_gemv_reduce, for SPLITS > 1.
 //
 // Defines: NORM (1 = RMSNorm, 2 = LayerNorm; default 1), NORM_BIAS (LayerNorm bias; default 1), and those of

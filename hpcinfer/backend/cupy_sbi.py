@@ -5,19 +5,31 @@ cuda_src/fused_norm_gemv.cu, for CupyOps.linear and CupyOps.fused_linear.
 
 `plan` (pure Python, no GPU) picks the module and the launch from the shapes: the token bucket MAX_TOKENS (the
 smallest of TOKEN_BUCKETS >= T: five compiled variants per define set instead of sixteen, at the cost of registers
-held for up to 2x the tokens), and SPLITS, the blocks along the input dimension, for layers whose output columns
-alone make too few blocks to fill the GPU (see choose_splits). `fused_linear` checks the arrays (dtypes, layout,
-alignment) and launches, or answers None when the kernel does not apply; the caller then runs cuBLAS (linear) or
-the unfused ops in sequence (fused_linear).
+held for up to 2x the tokens), the block shape of the tiling, and SPLITS, the blocks along the input dimension, for
+layers whose output columns alone make too few blocks to fill the GPU (see choose_splits).
+
+Tiling (sbi_core.cuh): "rows" (TILING=1, the default) gives each warp RW rows of W and walks the input with its 32
+lanes, 16 bytes each: a warp load is 512 contiguous bytes of one row (the old "cols" tiling, lanes across 32
+columns, touched 32 rows per load with the row-major weights: 32 sectors, half used), UNROLL x RW loads in flight
+per lane, a shuffle sum at the end. Its blocks hold 4 to 6 columns (ROW_TILES), so every projection with
+out >= 1600 makes >= 2 blocks per SM of 132 without an input split: one kernel, where the old tiling's 32-column
+blocks needed splits and the *_reduce kernel (12% of a gpt2-1.5b decode step, measured on an H200). For T > 1 the
+block stages its x rows (normalized, when a norm is fused) in shared memory, so that each x vector is read once per
+token and serves the warp's RW rows. "cols" (TILING=0) is kept so that one GPU run of bench/scripts/gpu_linear
+(`--tiling rows,cols`) compares both on the same shapes; "rows:WxRxU" forces a block shape there, to tune
+ROW_TILES.
+
+`fused_linear` checks the arrays (dtypes, layout, alignment) and launches, or answers None when the kernel does not
+apply; the caller then runs cuBLAS (linear) or the unfused ops in sequence (fused_linear).
 
 Weight layout: W_ROWMAJOR=1, the kernel reads W [out, in] as loaded (contiguous, in % VEC == 0, 16-byte aligned).
 Chosen over the packed SBI layout (kernels/layout.sbi_pack, made by a prepare-weight hook at load) because cuBLAS
 reads [out, in] for large batches: the packed layout would need a second copy of every weight (2x weight memory,
 the very thing offload and tp exist to save) or cuBLAS on an unpacked view it cannot express, and the offload tiers,
 quantized formats and checkpoint readers all keep seeing one plain [out, in] array. The cost: each lane's 16-byte
-vector is half a 32-byte sector at stride `in`, and the rest of the line is read by the block's next warps (L1 hits
-if the lines stay resident; sbi_core.cuh). Whether packed streams measurably faster is for the GPU benchmark to
-say; only W_ROWMAJOR=1 is wired, so the layout is not a [runtime] option (note in docs/gpu.md).
+vector under the old column tiling is half a 32-byte sector at stride `in`; the row tiling reads the row-major
+weights fully coalesced, which is what the packed layout was for. Only W_ROWMAJOR=1 is wired, so the layout is not a
+[runtime] option (note in docs/gpu.md).
 
 Fused with tp == 1 only for the residual (region 4): with tp > 1 the row-parallel partial sums are all-reduced
 between the GEMV and the bias + residual add (parallel/layers.py RowParallelLinear).
@@ -27,6 +39,7 @@ Shape legend: T=tokens, in=input features, out=weight rows (2F when gated), ncol
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,8 +47,17 @@ import numpy as np
 F32 = np.float32
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)      # MAX_TOKENS of the compiled variants
 SBI_MAX_TOKENS = TOKEN_BUCKETS[-1]    # above this, cuBLAS (a GEMM reads each weight once for all tokens anyway)
-WARPS, ROWS, UNROLL = 4, 1, 4         # block (32, WARPS), 32 * ROWS output columns per block; to tune on a GPU
-WAVES = 2                             # aim for at least WAVES blocks per SM before splitting the input dimension
+TILINGS = ("rows", "cols")            # TILING=1 (the default) and the old TILING=0, kept to compare on a GPU;
+                                      # "rows:WxRxU" forces WARPS x RW x UNROLL (a tuning aid for gpu_linear)
+# rows: (WARPS, RW, UNROLL) per token bucket: WARPS * RW output columns per block (<= 6, so that out >= 1600 gives
+# >= 2 blocks per SM of 132 without an input split), UNROLL x RW (x2 gated) 512-byte warp loads in flight. RW = 2
+# from T = 3 on: each x vector read from shared memory serves 2 (gated 4) rows, and the block's x staging (T * in
+# floats from L2) is spread over 6 columns; UNROLL shrinks as the accumulators acc[RW][T] grow.
+ROW_TILES = {1: (4, 1, 8), 2: (4, 1, 8), 4: (3, 2, 4), 8: (3, 2, 4), 16: (3, 2, 2)}
+XS_FLOATS = 8192                      # rows: shared x staging per block (32 KiB), as sbi_core.cuh's XS_FLOATS
+XS_LIMIT = 40 * 1024                  # rows: the most bytes of x tile sbi_core.cuh allows (its static_assert)
+WARPS, ROWS, UNROLL = 4, 1, 4         # cols: block (32, WARPS), 32 * ROWS output columns per block
+WAVES = 2                             # blocks per SM the input splits aim for, where a split is made
 MAX_SPLITS = 16                       # the partial workspace is [SPLITS, T, out] float32
 REDUCE_BLOCK = 256                    # threads per block of the *_reduce kernels (their __launch_bounds__)
 
@@ -49,14 +71,56 @@ def token_bucket(tokens: int) -> int | None:
     return next((b for b in TOKEN_BUCKETS if b >= tokens), None) if tokens >= 1 else None
 
 
-def choose_splits(ncols: int, n_in: int, vec: int, sm_count: int) -> int:
-    """Blocks along the input dimension. The output columns give ceil(ncols / (32 ROWS)) blocks; when that is
-    fewer than WAVES x SMs (a small model, or the out = D projections), split the input dimension so the grid
-    fills the GPU, while every split keeps at least one full unrolled pass per warp (WARPS x UNROLL vectors)."""
-    col_blocks = -(-ncols // (32 * ROWS))
+@dataclass(frozen=True)
+class Tile:
+    """A block's shape under one tiling: (32, warps) threads over `cols` output columns; a split of the input must
+    keep at least `min_vecs` 16-byte vectors (one full batch of loads per warp)."""
+
+    warps: int                # WARPS
+    cols: int                 # output columns per block: WARPS * RW (rows), 32 * ROWS (cols)
+    unroll: int               # UNROLL
+    rows_per_warp: int        # rows: RW; cols: 0 (ROWS columns per lane instead)
+    min_vecs: int             # rows: 32 lanes x UNROLL; cols: WARPS x UNROLL
+
+
+def tile(tiling: str, bucket: int) -> Tile:
+    """The block shape of `tiling` for token bucket `bucket`: "rows" (ROW_TILES), "cols", or "rows:WxRxU" (WARPS,
+    RW, UNROLL given, e.g. "rows:8x2x2"). Raises ValueError for anything else."""
+    if tiling == "cols":
+        return Tile(WARPS, 32 * ROWS, UNROLL, 0, WARPS * UNROLL)
+    if tiling == "rows":
+        warps, rw, unroll = ROW_TILES[bucket]
+    else:
+        match = re.fullmatch(r"rows:(\d+)x(\d+)x(\d+)", tiling)
+        warps, rw, unroll = map(int, match.groups()) if match else (0, 0, 0)
+        if not (1 <= warps <= 32 and rw >= 1 and unroll >= 1):
+            raise ValueError(f"tiling must be 'rows', 'cols' or 'rows:WxRxU' (1 <= W <= 32), got {tiling!r}")
+    return Tile(warps, warps * rw, unroll, rw, 32 * unroll)
+
+
+def choose_splits(ncols: int, n_in: int, vec: int, sm_count: int, tiling: str = "rows", bucket: int = 1) -> int:
+    """Blocks along the input dimension (grid.y; > 1 costs the *_reduce kernel and a [SPLITS, T, out] workspace).
+
+    rows: split only when the output columns give fewer blocks than SMs (a small model, a tp shard): some SMs would
+    idle. Then aim for WAVES blocks per SM. With 4 to 6 columns per block every projection of a model with
+    D >= 1600 fills 132 SMs alone, so the common case is one kernel.
+    cols (the old tiling, 32 columns per block): split whenever the columns give fewer than WAVES blocks per SM.
+    Either way every split keeps at least one full batch of loads per warp (Tile.min_vecs vectors)."""
+    shape = tile(tiling, bucket)
+    col_blocks = -(-ncols // shape.cols)
+    if tiling != "cols" and col_blocks >= sm_count:
+        return 1
     wanted = -(-WAVES * sm_count // col_blocks)
-    most = max(1, -(-n_in // vec) // (WARPS * UNROLL))
+    most = max(1, -(-n_in // vec) // shape.min_vecs)
     return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def x_tile(n_in: int, vec: int, bucket: int, unroll: int) -> int:
+    """rows: x elements per token staged in shared memory at a time (X_TILE): all of the row when it fits in
+    XS_FLOATS / bucket floats (one staging, norm statistics from shared memory), else the most whole batches that
+    fit; a whole number of batches (32 * UNROLL * VEC elements) either way."""
+    unit = 32 * unroll * vec
+    return min(max(unit, XS_FLOATS // bucket // unit * unit), -(-n_in // unit) * unit)
 
 
 @dataclass(frozen=True)
@@ -65,19 +129,19 @@ class Launch:
 
     name: str                  # "sbi_gemv" | "fused_norm_gemv" (file and kernel); the reduction is name + "_reduce"
     defines: dict
-    grid: tuple                # (ceil(ncols / (32 ROWS)), SPLITS)
-    block: tuple               # (32, WARPS)
+    grid: tuple                # (ceil(ncols / columns per block), SPLITS)
+    block: tuple               # (32, warps)
     splits: int
     reduce_grid: tuple         # (ceil(T ncols / REDUCE_BLOCK),): only launched when splits > 1
 
 
 def plan(tokens: int, n_in: int, out: int, weight_dtype, sm_count: int, *, norm: str | None = None,
          norm_bias: bool = False, act: str | None = None, gated: bool = False, has_bias: bool = False,
-         has_residual: bool = False, x_vec: bool = True) -> Launch | None:
+         has_residual: bool = False, x_vec: bool = True, tiling: str = "rows") -> Launch | None:
     """The launch for x [tokens, n_in] (float32) and W [out, n_in] of `weight_dtype` (float32, float16 or uint16
     bfloat16 bits), or None where the kernel does not apply: tokens outside 1 .. SBI_MAX_TOKENS, another weight
     dtype, n_in not a whole number of 16-byte vectors (the row-major read), an odd `out` or no activation when
-    gated, an unknown activation or norm."""
+    gated, an unknown activation or norm. `tiling`: "rows" (TILING=1) or "cols" (the old TILING=0)."""
     bucket, storage = token_bucket(tokens), _STORAGE.get(np.dtype(weight_dtype).name)
     if bucket is None or storage is None or act not in _ACT or (norm is not None and norm not in _NORM):
         return None
@@ -85,14 +149,24 @@ def plan(tokens: int, n_in: int, out: int, weight_dtype, sm_count: int, *, norm:
     if n_in < 1 or n_in % vec or out < 1 or (gated and (out % 2 or act is None)):
         return None
     ncols = out // 2 if gated else out
-    splits = choose_splits(ncols, n_in, vec, sm_count)
-    defines = {"T_STORAGE": storage, "T_ACT": "float", "MAX_TOKENS": bucket, "WARPS": WARPS, "ROWS": ROWS,
-               "UNROLL": UNROLL, "ACT": _ACT[act], "HAS_BIAS": int(has_bias), "HAS_RESIDUAL": int(has_residual),
-               "GATED": int(gated), "X_VEC": int(x_vec), "W_ROWMAJOR": 1}
+    shape = tile(tiling, bucket)                        # raises ValueError for an unknown tiling
+    splits = choose_splits(ncols, n_in, vec, sm_count, tiling, bucket)
+    defines = {"T_STORAGE": storage, "T_ACT": "float", "MAX_TOKENS": bucket, "TILING": int(tiling != "cols"),
+               "WARPS": shape.warps, "UNROLL": shape.unroll}
+    if tiling != "cols":
+        tile_x = x_tile(n_in, vec, bucket, shape.unroll)
+        if bucket * tile_x * 4 > XS_LIMIT:
+            raise ValueError(f"tiling {tiling!r}: one batch of x for {bucket} tokens exceeds {XS_LIMIT} bytes of "
+                             "shared memory (lower UNROLL)")
+        defines.update(RW=shape.rows_per_warp, X_TILE=tile_x)
+    else:
+        defines.update(ROWS=ROWS)
+    defines.update({"ACT": _ACT[act], "HAS_BIAS": int(has_bias), "HAS_RESIDUAL": int(has_residual),
+                    "GATED": int(gated), "X_VEC": int(x_vec), "W_ROWMAJOR": 1})
     if norm is not None:
         defines.update(NORM=_NORM[norm], NORM_BIAS=int(norm_bias))
     return Launch("fused_norm_gemv" if norm is not None else "sbi_gemv", defines,
-                  (-(-ncols // (32 * ROWS)), splits), (32, WARPS), splits,
+                  (-(-ncols // shape.cols), splits), (32, shape.warps), splits,
                   (-(-tokens * ncols // REDUCE_BLOCK),))
 
 
@@ -106,10 +180,11 @@ def _vector_ok(a, n: int) -> bool:
     return a.dtype == F32 and a.shape == (n,) and a.flags.c_contiguous
 
 
-def fused_linear(ops, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
+def fused_linear(ops, x, w, bias=None, norm=None, act=None, gated=False, residual=None, *, tiling="rows"):
     """act(norm(x) @ w.T + bias) (+ residual) -> [T, ncols] float32 through one SBI kernel (two with SPLITS > 1),
     or None when the kernel does not apply (kernels off, T > SBI_MAX_TOKENS, a layout or dtype it does not take).
-    `ops`: the CupyOps; norm: a backend.ops.NormParams or None."""
+    `ops`: the CupyOps; norm: a backend.ops.NormParams or None; tiling: see plan (bench/scripts/gpu_linear
+    compares both)."""
     if not ops.kernels or x.ndim != 2 or x.dtype != F32 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         return None
     (T, n_in), out = x.shape, w.shape[0]
@@ -130,7 +205,7 @@ def fused_linear(ops, x, w, bias=None, norm=None, act=None, gated=False, residua
     norm_bias = norm is not None and norm.kind == "layernorm" and norm.bias is not None
     launch = plan(T, n_in, out, w.dtype, ops._sm_count, norm=None if norm is None else norm.kind,
                   norm_bias=norm_bias, act=act, gated=gated, has_bias=bias is not None,
-                  has_residual=residual is not None, x_vec=x_vec)
+                  has_residual=residual is not None, x_vec=x_vec, tiling=tiling)
     fn = None if launch is None else ops._kernel(launch.name, launch.name, **launch.defines)
     if fn is None:
         return None

@@ -1,11 +1,13 @@
 """SBI-GeMM and the Deep-Fusion regions wired into the backends (hpcinfer/backend/cupy_sbi.py, Ops.fused_linear).
 
-1. The launch choice, pure Python: token buckets, input-dimension splits, when the kernel does not apply (cuBLAS).
+1. The launch choice, pure Python: token buckets, the block shapes of both tilings (rows, the default, and the old
+   cols), input-dimension splits, when the kernel does not apply (cuBLAS).
 2. NumpyOps.fused_linear is exactly the unfused sequence, and the model's fused calls change no bit of NumPy logits
    or greedy tokens (every family of tests/helpers/hf_models.py).
 3. cupy_sbi.fused_linear itself, with a NumPy stand-in for CupyOps whose kernels run on the CPU emulator
-   (tests/helpers/kernel_emulator.py): the defines, grids and arguments the wrapper computes, against NumpyOps (slow: a
-   g++ build per define set, cached under build/kernel-emu/).
+   (tests/helpers/kernel_emulator.py): the defines, grids and arguments the wrapper computes under both tilings,
+   against NumpyOps (slow: a g++ build per define set, cached under build/kernel-emu/). The row tiling's kernel
+   cases (tiles, tails, splits) are in tests/kernels/test_sbi_rows_tiling.py.
 4. CupyOps.linear / fused_linear and a tiny Llama's greedy tokens on tests/helpers/emu_cupy/ (and on a GPU when there
    is one) against NumpyOps, for T in {1, 3, 16, 17} and float32 / float16 / bfloat16 weights.
 """
@@ -36,39 +38,77 @@ def test_token_bucket(tokens, bucket):
     assert cupy_sbi.token_bucket(tokens) == bucket
 
 
-def test_splits_fill_the_gpu_only_where_the_columns_do_not():
-    # GPT-2 1.5B on an H100 (fp16, VEC 8): QKV 4800 columns = 150 blocks -> 2 splits for 2 blocks per SM;
+def test_rows_tiling_splits_only_where_the_columns_leave_sms_idle():
+    # GPT-2 1.5B on an H100 (fp16, VEC 8): at T = 1, 4 columns per block (6 from T = 3): QKV 4800 -> 1200 blocks,
+    # the down projection (1600 columns, in = 6400) -> 400 blocks, the MLP up 6400 -> 1600: one kernel each
+    for ncols, n_in in ((4800, 1600), (1600, 1600), (1600, 6400), (6400, 1600), (50257, 1600)):
+        for bucket in cupy_sbi.TOKEN_BUCKETS:
+            assert cupy_sbi.choose_splits(ncols, n_in, 8, H100_SMS, "rows", bucket) == 1
+    # a small model (or a tp shard): 128 columns = 32 blocks < 132 SMs -> 9 splits for 2 blocks per SM, while
+    # every split keeps a full batch of warp loads (32 lanes x UNROLL 8 vectors at T = 1)
+    assert cupy_sbi.choose_splits(128, 64 * 256 * 8, 8, H100_SMS, "rows", 1) == 9
+    assert cupy_sbi.choose_splits(64, 2 * 256 * 8, 8, H100_SMS, "rows", 1) == 2
+    assert cupy_sbi.choose_splits(64, 256 * 8, 8, H100_SMS, "rows", 1) == 1
+    assert cupy_sbi.choose_splits(64, 1 << 20, 8, H100_SMS, "rows", 16) == cupy_sbi.MAX_SPLITS
+    assert cupy_sbi.choose_splits(64, 1 << 20, 8, 16, "rows", 1) == 1        # 16 blocks fill 16 SMs
+
+
+def test_cols_tiling_splits_as_before():
+    # the old tiling (32 columns per block): QKV 4800 columns = 150 blocks -> 2 splits for 2 blocks per SM;
     # the down projection (1600 columns = 50 blocks, in = 6400) -> 6 splits; the MLP up (6400 = 200 blocks) -> 2
-    assert cupy_sbi.choose_splits(4800, 1600, 8, H100_SMS) == 2
-    assert cupy_sbi.choose_splits(1600, 6400, 8, H100_SMS) == 6
-    assert cupy_sbi.choose_splits(6400, 1600, 8, H100_SMS) == 2
-    assert cupy_sbi.choose_splits(50257, 1600, 8, H100_SMS) == 1          # the LM head fills the GPU alone
+    assert cupy_sbi.choose_splits(4800, 1600, 8, H100_SMS, "cols") == 2
+    assert cupy_sbi.choose_splits(1600, 6400, 8, H100_SMS, "cols") == 6
+    assert cupy_sbi.choose_splits(6400, 1600, 8, H100_SMS, "cols") == 2
+    assert cupy_sbi.choose_splits(50257, 1600, 8, H100_SMS, "cols") == 1   # the LM head fills the GPU alone
     # a tiny input dimension: every split keeps at least WARPS * UNROLL vectors
-    assert cupy_sbi.choose_splits(64, 64, 4, H100_SMS) == 1               # 16 vectors: one pass of 4 warps x 4
-    assert cupy_sbi.choose_splits(64, 256, 4, H100_SMS) == 4
-    assert cupy_sbi.choose_splits(32, 1 << 20, 8, H100_SMS) == cupy_sbi.MAX_SPLITS
+    assert cupy_sbi.choose_splits(64, 64, 4, H100_SMS, "cols") == 1         # 16 vectors: one pass of 4 warps x 4
+    assert cupy_sbi.choose_splits(64, 256, 4, H100_SMS, "cols") == 4
+    assert cupy_sbi.choose_splits(32, 1 << 20, 8, H100_SMS, "cols") == cupy_sbi.MAX_SPLITS
+
+
+@pytest.mark.parametrize("bucket", cupy_sbi.TOKEN_BUCKETS)
+@pytest.mark.parametrize("vec", [4, 8])
+def test_rows_tiles_fit_shared_memory_and_whole_batches(bucket, vec):
+    warps, rw, unroll = cupy_sbi.ROW_TILES[bucket]
+    assert -(-1600 // (warps * rw)) >= 2 * H100_SMS                         # >= 2 blocks per SM at out = 1600
+    for n_in in (vec, 96, 1600, 6400, 14336):
+        x_tile = cupy_sbi.x_tile(n_in, vec, bucket, unroll)
+        assert x_tile % (32 * unroll * vec) == 0 and bucket * x_tile * 4 <= 40 * 1024   # sbi_core.cuh's asserts
+        assert x_tile >= min(n_in, cupy_sbi.XS_FLOATS // bucket // 2)          # all of x, or most of the budget
 
 
 def test_plan_defines_and_grids():
     launch = cupy_sbi.plan(3, 1600, 4800, np.float16, H100_SMS, has_bias=True)
     assert launch.name == "sbi_gemv"
-    assert launch.defines == {"T_STORAGE": "__half", "T_ACT": "float", "MAX_TOKENS": 4, "WARPS": 4, "ROWS": 1,
-                              "UNROLL": 4, "ACT": 0, "HAS_BIAS": 1, "HAS_RESIDUAL": 0, "GATED": 0, "X_VEC": 1,
-                              "W_ROWMAJOR": 1}
-    assert launch.grid == (150, 2) and launch.block == (32, 4) and launch.splits == 2
+    assert launch.defines == {"T_STORAGE": "__half", "T_ACT": "float", "MAX_TOKENS": 4, "TILING": 1, "WARPS": 3,
+                              "UNROLL": 4, "RW": 2, "X_TILE": 2048, "ACT": 0, "HAS_BIAS": 1, "HAS_RESIDUAL": 0,
+                              "GATED": 0, "X_VEC": 1, "W_ROWMAJOR": 1}
+    assert launch.grid == (800, 1) and launch.block == (32, 3) and launch.splits == 1
     assert launch.reduce_grid == (-(-3 * 4800 // 256),)
+
+    cols = cupy_sbi.plan(3, 1600, 4800, np.float16, H100_SMS, has_bias=True, tiling="cols")
+    assert cols.defines == {"T_STORAGE": "__half", "T_ACT": "float", "MAX_TOKENS": 4, "TILING": 0, "WARPS": 4,
+                            "UNROLL": 4, "ROWS": 1, "ACT": 0, "HAS_BIAS": 1, "HAS_RESIDUAL": 0, "GATED": 0,
+                            "X_VEC": 1, "W_ROWMAJOR": 1}
+    assert cols.grid == (150, 2) and cols.block == (32, 4) and cols.splits == 2
 
     gated = cupy_sbi.plan(1, 576, 2 * 1536, np.uint16, H100_SMS, norm="rmsnorm", act="silu", gated=True,
                           has_residual=False, x_vec=False)
     assert gated.name == "fused_norm_gemv"
     assert gated.defines["T_STORAGE"] == "__nv_bfloat16" and gated.defines["GATED"] == 1
     assert gated.defines["ACT"] == 4 and gated.defines["NORM"] == 1 and gated.defines["NORM_BIAS"] == 0
-    assert gated.defines["X_VEC"] == 0
-    assert gated.grid[0] == 1536 // 32                                     # the grid covers F columns, not 2F
+    assert gated.defines["X_VEC"] == 0 and gated.defines["X_TILE"] == 2048   # 576 rounded up to a whole batch
+    assert gated.grid == (1536 // 4, 1)                                    # the grid covers F columns, not 2F
 
     ln = cupy_sbi.plan(16, 64, 64, np.float32, 4, norm="layernorm", norm_bias=True, act="gelu", has_residual=True)
     assert ln.defines["NORM"] == 2 and ln.defines["NORM_BIAS"] == 1 and ln.defines["MAX_TOKENS"] == 16
-    assert ln.defines["HAS_RESIDUAL"] == 1 and ln.defines["ACT"] == 1
+    assert ln.defines["HAS_RESIDUAL"] == 1 and ln.defines["ACT"] == 1 and ln.defines["X_TILE"] == 256
+    forced = cupy_sbi.plan(16, 1600, 1600, np.float16, H100_SMS, tiling="rows:8x2x2")
+    assert (forced.defines["WARPS"], forced.defines["RW"], forced.defines["UNROLL"]) == (8, 2, 2)
+    assert forced.grid == (100, 3) and forced.block == (32, 8)          # 100 blocks < 132 SMs: split
+    for bad in ("diagonal", "rows:0x2x2", "rows:8x2", "rows:33x1x1", "rows:4x1x16"):   # last: 64 KiB of x
+        with pytest.raises(ValueError, match="tiling"):
+            cupy_sbi.plan(16, 64, 64, np.float16, 4, tiling=bad)
 
 
 @pytest.mark.parametrize("args, keys", [
@@ -228,26 +268,35 @@ def _storage(rng, shape, dtype: str):
 
 EMU_CASES = [  # (T, in, out, weight dtype, norm, ln bias, act, gated, bias, residual, strided x, SMs)
     (1, 64, 96, "float32", None, False, None, False, True, False, False, 1),             # one split
-    (3, 512, 64, "float16", None, False, None, False, True, True, False, 8),             # 4 splits, bucket 4
+    (3, 512, 64, "float16", None, False, None, False, True, True, False, 8),             # cols: 4 splits, bucket 4
     (16, 64, 40, "bfloat16", None, False, "gelu_tanh", False, False, False, True, 2),    # X_VEC=0, a column tail
-    (1, 256, 128, "float16", "rmsnorm", False, "silu", True, False, True, False, 8),     # gated, 2 splits
+    (1, 256, 128, "float16", "rmsnorm", False, "silu", True, False, True, False, 8),     # gated; cols: 2 splits
     (5, 32, 64, "float32", "layernorm", True, "gelu", False, True, False, False, 1),     # bucket 8
     (2, 64, 64, "bfloat16", "layernorm", False, "relu", False, True, True, True, 4),     # NORM_BIAS=0, X_VEC=0
+    (1, 2048, 12, "float32", None, False, None, False, True, True, False, 132),          # rows: 2 splits
+    (3, 4104, 14, "float16", "rmsnorm", False, "silu", True, True, False, False, 132),   # rows: 4 splits, gated
 ]
 
 
+def _splits(case, tiling):
+    T, n_in, out, dt, _, _, act, gated, *_, sms = case
+    return cupy_sbi.plan(T, n_in, out, np.float32 if dt == "float32" else np.float16, sms, gated=gated, act=act,
+                         tiling=tiling).splits
+
+
 def test_emulated_cases_cover_the_second_reduction():
-    splits = [cupy_sbi.plan(T, n_in, out, np.float32 if dt == "float32" else np.float16, sms, gated=g,
-                            act=a).splits for T, n_in, out, dt, _, _, a, g, *_, sms in EMU_CASES]
-    assert splits.count(1) >= 2 and max(splits) == 4 and 2 in splits
+    for tiling in cupy_sbi.TILINGS:
+        splits = [_splits(case, tiling) for case in EMU_CASES]
+        assert splits.count(1) >= 2 and 2 in splits and max(splits) >= 4, (tiling, splits)
 
 
+@pytest.mark.parametrize("tiling", cupy_sbi.TILINGS)
 @pytest.mark.parametrize("T, n_in, out, dtype, kind, ln_bias, act, gated, has_bias, has_res, strided, sms",
                          EMU_CASES)
 @needs_emulator
 @pytest.mark.slow
 def test_wrapper_launch_matches_numpy_on_the_emulator(T, n_in, out, dtype, kind, ln_bias, act, gated, has_bias,
-                                                      has_res, strided, sms):
+                                                      has_res, strided, sms, tiling):
     rng = np.random.default_rng(T * 1000 + n_in)
     w_dev, w_host = _storage(rng, (out, n_in), dtype)
     ncols = out // 2 if gated else out
@@ -258,13 +307,15 @@ def test_wrapper_launch_matches_numpy_on_the_emulator(T, n_in, out, dtype, kind,
     norm = None if kind is None else _norm(rng, kind, n_in, ln_bias)
 
     ops = EmulatedOps(sms)
-    got = cupy_sbi.fused_linear(ops, x, w_dev, bias, norm=norm, act=act, gated=gated, residual=residual)
+    got = cupy_sbi.fused_linear(ops, x, w_dev, bias, norm=norm, act=act, gated=gated, residual=residual,
+                                tiling=tiling)
     ref = OPS.fused_linear(np.ascontiguousarray(x), w_host, bias, norm=norm, act=act, gated=gated,
                            residual=residual)
     assert got is not None and got.shape == (T, ncols)
     name, function, grid, block, defines = ops.launches[0]
     launch = cupy_sbi.plan(T, n_in, out, w_dev.dtype, sms, norm=kind, norm_bias=bool(ln_bias and kind),
-                           act=act, gated=gated, has_bias=has_bias, has_residual=has_res, x_vec=not strided)
+                           act=act, gated=gated, has_bias=has_bias, has_residual=has_res, x_vec=not strided,
+                           tiling=tiling)
     assert (name, grid, block, defines) == (launch.name, launch.grid, launch.block, launch.defines)
     assert len(ops.launches) == (2 if launch.splits > 1 else 1)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
