@@ -174,7 +174,7 @@ def generate_share(runner: Runner, job: Job, mesh, link, end_round=None) -> tupl
     lockstep = mesh.dp if model.arch.moe_experts and dp > 1 else None      # experts are exchanged across replicas
     todo = [b for b in _batches(len(job.prompts), g.batch_size) if not set(b) <= job.skip]
     times, results = StepTimes(), []
-    times.batching = batching_mode(job.config, model.ops.name, lockstep is not None)
+    times.batching = batching_mode(job.config, lockstep is not None)
     if times.batching == "continuous":
         results = _continuous_share(runner, job, mesh, times, end_round)
         todo = []
@@ -213,7 +213,7 @@ def _continuous_share(runner: Runner, job: Job, mesh, times: StepTimes, end_roun
     per_block = block_bytes(model.num_local_layers, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
     longest = max((min(len(job.prompts[i].tokens) + g.max_new_tokens, model.arch.max_positions) for i in mine),
                   default=1)
-    nbytes = sch.kv_memory_bytes(lambda: _host_free_bytes(mesh.ranks_per_node))
+    nbytes = sch.kv_memory_bytes(lambda: _free_bytes(model.ops, mesh.ranks_per_node))
     cache = PagedKVCache(model.ops, model.num_local_layers,
                          max(1, pool_blocks(nbytes, per_block, g.batch_size, longest, sch.kv_block_size)),
                          model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
@@ -258,8 +258,11 @@ class _CommitPoints:
         self.pending = []
 
 
-def _host_free_bytes(ranks_per_node: int) -> int:
-    """Host memory available to one of the node's ranks (the weights are already loaded)."""
+def _free_bytes(ops, ranks_per_node: int) -> int:
+    """Memory left for this rank's KV pool after the weights: its GPU's free memory (cupy), or the host's
+    available memory shared by the node's ranks (numpy)."""
+    if ops.name == "cupy":
+        return int(ops.xp.cuda.runtime.memGetInfo()[0])
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, ranks_per_node)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..kernels.loader import kernel
-from . import cupy_attention, cupy_moe, cupy_quant, cupy_sbi, moe_ops
+from . import cupy_attention, cupy_moe, cupy_paged, cupy_quant, cupy_sbi, moe_ops
 from .cupy_dtypes import BF16_BITS, is_bf16
 from .cupy_transfer import StreamCopies
 from .interface import StepLayout, unfused_linear
@@ -300,7 +300,10 @@ class CupyOps:
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd].
         Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu. A QuantizedKV cache
-        and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py."""
+        and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py. A paged step (the continuous schedule's pools
+        [blocks, Hkv, block_size, hd]) goes to backend/cupy_paged.py."""
+        if step.is_paged:
+            return cupy_paged.attention(self, q, k, v, cache_k, cache_v, step, scale)
         return cupy_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
 
     def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):

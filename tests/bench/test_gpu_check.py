@@ -41,7 +41,7 @@ def test_rehearsal_writes_each_steps_file(tmp_path):
     assert 'failures="0"' in (out / "e2e.xml").read_text()
     assert gpu_check.main(["--report", str(out)]) == 0
     text = (out / "report.md").read_text()
-    assert "| e2e | 0 |" in text and "7 tests, 0 failed" in text and "tiny-dense x2:" in text
+    assert "| e2e | 0 |" in text and "9 tests, 0 failed" in text and "tiny-dense x2:" in text
 
 
 def test_what_comes_back_fits_the_device_tool():

@@ -73,6 +73,27 @@ def test_greedy_tokens_equal_numpy(name, cuda_graphs):
         assert times.graph_replays == NEW_TOKENS - 1
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-llama-gqa"])
+def test_continuous_batching_on_the_gpu_gives_the_static_numpy_tokens(name):
+    """The paged KV pool on the device (cuda_src/paged_attention.cu): chunked prompts, mixed steps, preemption."""
+    from hpcinfer.backend.cupy_ops import CupyOps
+    from hpcinfer.generate.paged_cache import PagedKVCache
+    from hpcinfer.generate.runner import Runner
+    from hpcinfer.generate.schedules.continuous import ContinuousParams, run_continuous
+
+    source = sources()[name]
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, source.arch.vocab_size, size=n).tolist() for n in (5, 30, 3, 17, 41, 9)]
+    want, _ = generate(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, False)
+    model = Decoder(CupyOps(device=0), Groups(), source.arch).load(source)
+    got, times = {}, StepTimes()
+    cache = PagedKVCache(model.ops, model.num_local_layers, 14, model.kv_heads_local, 4, source.arch.head_dim)
+    run_continuous(Runner(model, GenerationParams(NEW_TOKENS, ignore_eos=True)), prompts, list(range(6)), times,
+                   ContinuousParams(3, 8), cache, lambda done: got.update({s.index: s.generated for s in done}))
+    assert [got[i] for i in range(6)] == want
+    assert times.preemptions > 0
+
+
 def test_nccl_one_rank_all_reduce_eager_and_captured():
     import cupy as cp
     from cupy.cuda import nccl

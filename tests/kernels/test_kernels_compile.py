@@ -52,6 +52,8 @@ VARIANTS: dict[str, list[dict]] = {
     "embedding": [{"T_ACT": "float"}],
     "rotary": [{"T_ACT": "float", "BLOCK": 256}],
     "kv_append": [{"T_ACT": "float"}],
+    "paged_attention": [{"T_ACT": "float"}, {"MAX_HEAD_DIM": 256, "NWARPS": 2},
+                        {"MAX_HEAD_DIM": 64, "MAX_GROUP": 16, "NWARPS": 8}, {"T_ACT": "float", "BLOCK": 256}],
     "decode_attention": [{"MAX_HEAD_DIM": 256, "NWARPS": 2}, {"MAX_HEAD_DIM": 64, "MAX_GROUP": 16, "NWARPS": 8},
                          {"T_ACT": "float", "MAX_GROUP": 1}],
     "decode_attention_quant": [{"KV_BITS": 4}, {"KV_BITS": 4, "MAX_HEAD_DIM": 64, "MAX_GROUP": 16, "NWARPS": 8},

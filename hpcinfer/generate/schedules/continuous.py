@@ -171,7 +171,7 @@ def run_continuous(runner: Runner, prompts: list, indices: list, times: StepTime
     ContinuousScheduler(runner, cache, seqs, params, times, after_step, name).run()
 
 
-def unsupported(config, backend: str, lockstep: bool) -> list[str]:
+def unsupported(config, lockstep: bool) -> list[str]:
     """Why this job cannot batch continuously in this runtime (empty: it can)."""
     why = []
     if config.offload.active:
@@ -180,8 +180,8 @@ def unsupported(config, backend: str, lockstep: bool) -> list[str]:
         why.append(f"pipeline parallelism (pp = {config.parallel.pp}) runs the static micro-batch schedule")
     if lockstep:
         why.append("MoE replicas (dp > 1) exchange tokens in every layer and step together")
-    if backend != "numpy":
-        why.append(f"the {backend} backend has no paged attention kernel yet")
+    if config.runtime.cuda_graphs:
+        why.append("[runtime] cuda_graphs captures the static schedule's decode steps (paged steps run eagerly)")
     if config.model.kv_cache != "none":
         why.append(f"model.kv_cache = {config.model.kv_cache!r} is not stored in blocks yet")
     if config.generate.attention_topk:
@@ -189,10 +189,10 @@ def unsupported(config, backend: str, lockstep: bool) -> list[str]:
     return why
 
 
-def batching_mode(config, backend: str, lockstep: bool) -> str:
+def batching_mode(config, lockstep: bool) -> str:
     """"continuous" or "static" for `[schedule] batching` (auto: continuous where supported); asking for
     continuous where it is not supported is a ConfigError that names why."""
-    asked, why = config.schedule.batching, unsupported(config, backend, lockstep)
+    asked, why = config.schedule.batching, unsupported(config, lockstep)
     if asked == "continuous" and why:
         raise ConfigError(f"schedule.batching = \"continuous\" is not supported here: {'; '.join(why)}; use "
                           f"batching = \"static\" (or \"auto\")")

@@ -1,0 +1,207 @@
+"""python -m hpcinfer.bench.scripts.batching: continuous against static batching on a realistic job (issue 21).
+
+The workload (written once and kept: inputs/batching-chat.jsonl, `--make-prompts`): chat questions about excerpts
+of the standard library's pydoc_data/topics.py, the excerpt lengths drawn log-uniformly so that the prompts span
+about 16 to 1,024 tokens, SmolLM2's chat template applied by `hpcinfer run` ("chat": true), answers stopping at
+EOS or `max_new_tokens` (256). For each dp (1, 2 ranks), `hpcinfer run` runs the whole set with
+`[schedule] batching = "static"`, then `"continuous"` with `kv_cache_memory` set to the static run's peak KV bytes
+per rank (the same KV memory); then transformers' batched `generate` (greedy, left padding, batches of
+batch_size) on the same token ids. Reported: generated tokens/s of each, continuous / static, occupancy, p50/p99
+time between tokens, preemptions, the replicas' imbalance at dp = 2, whether the continuous and static files are
+identical, and the machine. Writes bench/results/batching-<date>.json and .md.
+
+    python -m hpcinfer.bench.scripts.batching [--prompts N] [--max-new 256] [--batch 16] [--dp 1,2] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ...checkpoint.format import open_checkpoint
+from ...comm.mpi_library import launcher_free_env
+from ...generate.prompts import load_prompts
+from ...generate.tokenizer import TextTokenizer
+from ..common import git_commit, logger, machine_info
+from ..hf_baseline import Transformers
+from ..suites.cells import toml_text
+from .results import write_results
+
+PROMPTS = Path("inputs/batching-chat.jsonl")
+CHECKPOINT = Path("models/smollm2.h5")
+GGUF = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")          # what the checkpoint was converted from
+QUESTIONS = ("In two or three sentences, what does this part of the Python documentation say?",
+             "Summarize the following text for a beginner.",
+             "What are the main points of this passage?",
+             "Explain the key idea of this text in plain words.",
+             "Write a short question a student could answer after reading this.")
+log = logger("bench.batching")
+
+
+def make_prompts(count: int = 288, seed: int = 21) -> list[dict]:
+    """`count` chat prompts: a question and an excerpt of pydoc_data/topics.py of 10 to 760 words (about 16 to
+    1,024 tokens with the template), log-uniform, from topics taken in a seeded order."""
+    import pydoc_data.topics as topics
+
+    rng = np.random.default_rng(seed)
+    texts = [topics.topics[k].split() for k in sorted(topics.topics)]
+    order = rng.permutation(len(texts))
+    prompts = []
+    for i in range(count):
+        words = texts[order[i % len(texts)]]
+        n = int(round(math.exp(rng.uniform(math.log(10), math.log(760)))))
+        start = int(rng.integers(0, max(1, len(words) - n)))
+        excerpt = " ".join(words[start:start + n])
+        prompts.append({"id": f"chat{i:03d}", "text": f"{QUESTIONS[i % len(QUESTIONS)]}\n\n{excerpt}", "chat": True})
+    return prompts
+
+
+def run_job(prompts: Path, out: Path, dp: int, batch: int, max_new: int, schedule: dict) -> dict:
+    """`hpcinfer run` of the whole prompt set on dp ranks (1 BLAS thread each on a 2-core machine): its metrics."""
+    config = out.with_suffix(".toml")
+    threads = max(1, (os.cpu_count() or 1) // dp)
+    config.write_text(toml_text({
+        "model": {"checkpoint": str(CHECKPOINT.resolve()), "dtype": "float32"},
+        "generate": {"prompts": str(prompts.resolve()), "output": str(out), "metrics": f"{out}.metrics.json",
+                     "max_new_tokens": max_new, "batch_size": batch, "temperature": 0.0},
+        "schedule": schedule, "runtime": {"backend": "numpy", "threads": threads}}))
+    python = sys.executable
+    argv = [python, "-m", "hpcinfer", "run", str(config)]
+    if dp > 1:
+        argv = [str(Path(python).parent / "mpiexec"), "-n", str(dp)] + argv
+    t0 = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, env=launcher_free_env(os.environ))
+    if done.returncode != 0:
+        raise SystemExit(f"bench.batching: {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    metrics = json.loads(Path(f"{out}.metrics.json").read_text())
+    metrics["wall_s"] = time.perf_counter() - t0
+    return metrics
+
+
+def cell(metrics: dict) -> dict:
+    b = metrics["batching"]
+    return {"tokens_per_s": metrics["tokens_per_s"], "generated_tokens": metrics["generated_tokens"],
+            "generate_s": metrics["generate_s"], "occupancy": b["occupancy"], "preemptions": b["preemptions"],
+            "token_latency_s": b["token_latency_s"], "time_to_first_token_s": b["time_to_first_token_s"],
+            "replica_imbalance": b["replica_imbalance"], "kv_peak_bytes_per_rank":
+            metrics["kv_cache"]["peak_device_bytes_per_rank"], "kv_pool_blocks": b["kv_pool_blocks"]}
+
+
+def prompt_ids(prompts: Path) -> tuple[list, list]:
+    """The token ids `hpcinfer run` feeds for each prompt (chat template applied), and the EOS ids."""
+    with open_checkpoint(str(CHECKPOINT)) as ckpt:
+        tokenizer = TextTokenizer.from_checkpoint(ckpt)
+        arch = ckpt.arch
+    return [p.tokens for p in load_prompts(str(prompts), arch, tokenizer)], list(arch.eos_token_ids)
+
+
+def run_hf(ids: list, eos: list, batch: int, max_new: int, threads: int) -> dict:
+    """transformers' batched greedy `generate` on the same token ids and weights (the GGUF, float32), batches of
+    `batch` in input order, left padded; generated tokens counted up to and including EOS."""
+    hf = Transformers(str(GGUF))
+    torch = hf.torch
+    torch.set_num_threads(threads)
+    generated, t0 = 0, time.perf_counter()
+    with torch.inference_mode():
+        for a in range(0, len(ids), batch):
+            group = ids[a:a + batch]
+            width = max(len(x) for x in group)
+            tokens = torch.tensor([[eos[0]] * (width - len(x)) + x for x in group])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in group])
+            out = hf.model.generate(input_ids=tokens, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                    eos_token_id=eos, pad_token_id=eos[0])
+            for row in out[:, width:].tolist():
+                generated += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+    seconds = time.perf_counter() - t0
+    return {"tokens_per_s": generated / seconds, "generated_tokens": generated, "generate_s": seconds,
+            "torch": torch.__version__}
+
+
+def report(result: dict) -> str:
+    s, rows = result["settings"], result["runs"]
+    lines = [f"# Continuous against static batching, {result['date']}", "",
+             f"SmolLM2-135M float32, numpy backend, {s['prompts']} chat prompts from pydoc_data/topics.py (prompt "
+             f"lengths {s['prompt_tokens']['min']} to {s['prompt_tokens']['max']} tokens, median "
+             f"{s['prompt_tokens']['median']}), max_new_tokens {s['max_new']}, EOS stops, batch_size {s['batch']}; "
+             f"{result['machine'].get('cpu_model')}, {result['machine'].get('cpus_usable')} cores; commit "
+             f"{result['commit']}.", "",
+             "| run | tokens/s | vs static (same dp; transformers: dp=1) | occupancy | p50 / p99 s between tokens | preemptions | imbalance |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} |||||")
+            continue
+        same_dp = name.replace("continuous", "static") if name.startswith(("static", "continuous")) else "static dp=1"
+        base = rows.get(same_dp, {}).get("tokens_per_s")
+        lat = r.get("token_latency_s") or {}
+        occ = r.get("occupancy")
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s'] / base:.2f}x |" if base else f"| {name} | {r['tokens_per_s']:.1f} | |")
+        lines[-1] += (f" {occ:.2f} |" if occ is not None else " |") + \
+            (f" {lat['p50']:.3f} / {lat['p99']:.3f} |" if lat.get("p50") is not None else " |") + \
+            f" {r.get('preemptions', '')} | " + \
+            (f"{r['replica_imbalance']:.3f} |" if r.get("replica_imbalance") is not None else " |")
+    lines += ["", *(f"- {k}: {v}" for k, v in result["checks"].items()), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.batching", description=__doc__.split("\n\n")[0])
+    p.add_argument("--make-prompts", action="store_true", help=f"(re)write {PROMPTS} and stop")
+    p.add_argument("--prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--dp", default="1,2", help="comma-separated replica counts")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    if args.make_prompts:
+        PROMPTS.write_text("".join(json.dumps(x) + "\n" for x in make_prompts()))
+        log(f"wrote {PROMPTS}")
+        return 0
+    for path in (CHECKPOINT, PROMPTS) + (() if args.no_hf else (GGUF,)):
+        if not path.exists():
+            raise SystemExit(f"bench.batching: {path} not found (make demo; --make-prompts)")
+    work = Path(tempfile.mkdtemp(prefix="hpcinfer-batching-"))
+    prompts = work / "prompts.jsonl"
+    lines = PROMPTS.read_text().splitlines()[:args.prompts]
+    prompts.write_text("\n".join(lines) + "\n")
+    ids, eos = prompt_ids(prompts)
+    lengths = sorted(len(x) for x in ids)
+    started = _dt.datetime.now().astimezone()
+    result = {"schema": "hpcinfer-bench-batching/1", "date": started.date().isoformat(), "commit": git_commit(),
+              "machine": machine_info(), "settings": {"prompts": len(ids), "max_new": args.max_new, "batch":
+              args.batch, "prompt_tokens": {"min": lengths[0], "max": lengths[-1],
+                                            "median": lengths[len(lengths) // 2]}}, "runs": {}, "checks": {}}
+    for dp in (int(x) for x in args.dp.split(",")):
+        outs = {}
+        for mode in ("static", "continuous"):
+            name = f"{mode} dp={dp}"
+            outs[mode] = work / f"{mode}-dp{dp}.jsonl"
+            schedule = {"batching": mode}
+            if mode == "continuous":                # the static run's KV memory per rank
+                schedule["kv_cache_memory"] = int(result["runs"][f"static dp={dp}"]["kv_peak_bytes_per_rank"])
+            log(f"{name}: {len(ids)} prompts")
+            result["runs"][name] = cell(run_job(prompts, outs[mode], dp, args.batch, args.max_new, schedule))
+            log(f"{name}: {result['runs'][name]['tokens_per_s']:.1f} tokens/s")
+        result["checks"][f"dp={dp}: continuous file == static file"] = \
+            outs["continuous"].read_bytes() == outs["static"].read_bytes()
+    if not args.no_hf:
+        log("transformers generate")
+        result["runs"]["transformers generate"] = run_hf(ids, eos, args.batch, args.max_new, os.cpu_count() or 1)
+    write_results(args.out, "batching", result, report(result), log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
