@@ -27,22 +27,46 @@ def paged_append(pool_k, pool_v, slots, k, v) -> None:
 
 def attention(ops, q, k, v, pool_k, pool_v, step, scale: float):
     """A paged step (StepLayout.paged): q [T, H, hd]; k, v [T, Hkv, hd] appended at the step's flat slots; pools
-    [blocks, Hkv, bs, hd] -> [T, H*hd]. Decode steps are batched; prefill and mixed steps go sequence by sequence."""
-    paged_append(pool_k, pool_v, step.flat_slots(), k, v)
+    [blocks, Hkv, bs, hd] -> [T, H*hd]. Decode steps are batched; prefill and mixed steps go sequence by sequence.
+    Each sequence's positions are gathered in one pass (np.take of the pool's rows by an index made once per step:
+    every layer gets the same StepLayout). The rows gathered past a sequence's length are not zeroed: the pools
+    start as zeros and only ever hold K/V rows the model wrote, and the scores mask those positions to -inf, so they
+    weigh exactly 0 (a masked copy of every gathered row cost a third of a decode step here)."""
+    paged_append(pool_k, pool_v, _memo(ops, step, "slots", step.flat_slots), k, v)
+    kv_heads, bs, hd = pool_k.shape[1], pool_k.shape[2], pool_k.shape[3]
     if step.is_decode:
         lengths = step.starts + 1
-        valid = np.arange(int(lengths.max()))[None, :] < lengths[:, None]             # [S, L]
-        keys, values = (_gather(pool, step.tables, valid) for pool in (pool_k, pool_v))
+        L = int(lengths.max())
+        index = _memo(ops, step, ("decode", kv_heads, bs), lambda: _row_index(step.tables, L, kv_heads, bs))
+        keys, values = (np.take(pool.reshape(-1, hd), index, axis=0) for pool in (pool_k, pool_v))  # [S,Hkv,L,hd]
         return ops._decode_over(q, keys, values, lengths, scale)
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
     for s in range(step.num_seqs):
         a, b = step.token_range(s)
         length = int(step.starts[s]) + b - a
-        valid = np.arange(length)[None, :] < length
-        table = step.tables[s:s + 1]
-        k_seq, v_seq = (_gather(pool, table, valid)[0] for pool in (pool_k, pool_v))   # [Hkv, length, hd]
+        index = _memo(ops, step, ("prefill", s, kv_heads, bs),
+                      lambda: _row_index(step.tables[s:s + 1], length, kv_heads, bs)[0])
+        k_seq, v_seq = (np.take(pool.reshape(-1, hd), index, axis=0) for pool in (pool_k, pool_v))  # [Hkv, n, hd]
         out[a:b] = ops._causal_attention(q[a:b], k_seq, v_seq, int(step.starts[s]), scale)
     return out
+
+
+def _row_index(tables, L: int, kv_heads: int, bs: int) -> np.ndarray:
+    """[S, Hkv, L] int64: the row of pool.reshape(-1, hd) holding (sequence, head, position) for the first L
+    positions of each table (a -1 entry, past a sequence's blocks, reads block 0: masked by the caller)."""
+    positions = np.arange(L)
+    blocks = np.maximum(tables[:, positions // bs], 0).astype(np.int64)                # [S, L]
+    return (blocks[:, None, :] * kv_heads + np.arange(kv_heads)[None, :, None]) * bs + (positions % bs)[None, None, :]
+
+
+def _memo(ops, step, name, make):
+    """make() once per step: the ops keep the last step's values, keyed by the step itself (identity, held)."""
+    memo = getattr(ops, "_paged_step", None)
+    if memo is None or memo[0] is not step:
+        memo = ops._paged_step = (step, {})
+    if name not in memo[1]:
+        memo[1][name] = make()
+    return memo[1][name]
 
 
 def paged_decode_attention(q, pool_k, pool_v, tables, lengths, scale: float):
@@ -54,23 +78,27 @@ def paged_decode_attention(q, pool_k, pool_v, tables, lengths, scale: float):
     lengths = np.asarray(lengths, dtype=np.int64)
     L = tables.shape[1] * bs
     valid = np.arange(L)[None, :] < lengths[:, None]                                  # [S, L]
-    keys = _gather(pool_k, tables, valid)                                             # [S, Hkv, L, hd]
+    keys = _masked(_gather(pool_k, tables, L), valid)                                 # [S, Hkv, L, hd]
     qg = (q.astype(F32) * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)     # [S, Hkv, g, hd]
     scores = qg @ keys.transpose(0, 1, 3, 2)                                          # [S, Hkv, g, L]
     scores += np.where(valid, F32(0), F32(-np.inf))[:, None, None, :]
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    return (probs @ _gather(pool_v, tables, valid)).reshape(S, heads * hd)            # [S, Hkv, g, hd] -> [S, H hd]
+    values = _masked(_gather(pool_v, tables, L), valid)
+    return (probs @ values).reshape(S, heads * hd)                                    # [S, Hkv, g, hd] -> [S, H hd]
 
 
-def _gather(pool, tables, valid):
-    """[S, B] block tables -> [S, Hkv, B*bs, hd] float32: each sequence's blocks in order, the positions past its
-    length (the rest of its last block, a table's -1 padding) zeroed: whatever a pool holds there (another
-    sequence's stale rows, uninitialized memory) never reaches the output."""
-    S, L = valid.shape
+def _gather(pool, tables, L: int):
+    """[S, B] block tables -> [S, Hkv, L, hd] float32: the first L positions of each sequence's blocks, in order
+    (a table's -1 padding reads block 0: positions past a sequence's length are the caller's to mask)."""
+    S = tables.shape[0]
     _, kv_heads, bs, hd = pool.shape
     B = -(-L // bs)                                                                   # blocks that hold L positions
     rows = pool[np.maximum(tables[:, :B], 0)]                                         # [S, B, Hkv, bs, hd]
-    rows = rows.transpose(0, 2, 1, 3, 4).reshape(S, kv_heads, B * bs, hd)[:, :, :L].astype(F32, copy=False)
+    return rows.transpose(0, 2, 1, 3, 4).reshape(S, kv_heads, B * bs, hd)[:, :, :L].astype(F32, copy=False)
+
+
+def _masked(rows, valid):
+    """rows [S, Hkv, L, hd] with the positions where valid [S, L] is False zeroed."""
     return np.where(valid[:, None, :, None], rows, F32(0))
