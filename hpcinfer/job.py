@@ -20,9 +20,9 @@ from .generate.output import write_metrics
 from .generate.prompts import load_prompts
 from .generate.resume import SIDECAR_SUFFIX
 from .generate.runner import Runner
-from .generate.paged_cache import PagedKVCache, block_bytes, pool_blocks
+from .generate.replica import continuous_share
 from .generate.schedules import run_block
-from .generate.schedules.continuous import ContinuousParams, balanced_shares, batching_mode, run_continuous
+from .generate.schedules.continuous import batching_mode
 from .parallel.micro_batches import micro_batches
 from .generate.tokenizer import TextTokenizer
 from .metrics import peak_rss_bytes, summarize
@@ -174,9 +174,9 @@ def generate_share(runner: Runner, job: Job, mesh, link, end_round=None) -> tupl
     lockstep = mesh.dp if model.arch.moe_experts and dp > 1 else None      # experts are exchanged across replicas
     todo = [b for b in _batches(len(job.prompts), g.batch_size) if not set(b) <= job.skip]
     times, results = StepTimes(), []
-    times.batching = batching_mode(job.config, lockstep is not None)
+    times.batching = batching_mode(job.config)
     if times.batching == "continuous":
-        results = _continuous_share(runner, job, mesh, times, end_round)
+        results = continuous_share(runner, job, mesh, times, end_round, lockstep)
         todo = []
     for batch in _rounds(todo, dp, dp_index, lockstep is not None):
         round_results = []
@@ -197,73 +197,6 @@ def generate_share(runner: Runner, job: Job, mesh, link, end_round=None) -> tupl
         times.weights_bytes_from_disk = model.weights.bytes_from_disk
         model.weights.close()
     return times, results
-
-
-def _continuous_share(runner: Runner, job: Job, mesh, times: StepTimes, end_round=None) -> list:
-    """This replica's share of the prompts not yet done (balanced by predicted positions over the dp replicas),
-    batched continuously over a paged KV cache (generate/schedules/continuous.py). Results are committed at as many
-    points as the static schedule has rounds (the same on every replica: end_round is a world collective): the
-    k-th when this replica has finished k/K of its share. Without end_round they are returned."""
-    config, model, g = job.config, runner.model, job.config.generate
-    todo = [i for i in range(len(job.prompts)) if i not in job.skip]
-    _, dp_index, _ = mesh.coords
-    capacity = [min(len(job.prompts[i].tokens) + g.max_new_tokens, model.arch.max_positions) for i in todo]
-    mine = [todo[k] for k in balanced_shares(capacity, mesh.shape.dp)[dp_index]]
-    sch = config.schedule
-    per_block = block_bytes(model.num_local_layers, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
-    longest = max((min(len(job.prompts[i].tokens) + g.max_new_tokens, model.arch.max_positions) for i in mine),
-                  default=1)
-    nbytes = sch.kv_memory_bytes(lambda: _free_bytes(model.ops, mesh.ranks_per_node))
-    cache = PagedKVCache(model.ops, model.num_local_layers,
-                         max(1, pool_blocks(nbytes, per_block, g.batch_size, longest, sch.kv_block_size)),
-                         model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
-    points = max(1, -(-len(todo) // (mesh.shape.dp * g.batch_size)))           # the static schedule's rounds
-    commits = _CommitPoints(mine, points, end_round)
-    run_continuous(runner, [job.prompts[i].tokens for i in mine], mine, times,
-                   ContinuousParams(g.batch_size, sch.step_tokens(g.batch_size)), cache, commits.after_step,
-                   lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} of {g.prompts})")
-    commits.finish()
-    return commits.results
-
-
-class _CommitPoints:
-    """The continuous schedule's commit points: after_step(finished) hands results to end_round at the k-th of
-    `points` thresholds of this replica's share (every replica calls end_round `points` times, the last when its
-    share is done or the job stops); True once end_round says stop."""
-
-    def __init__(self, share: list, points: int, end_round=None):
-        self.thresholds = [-(-k * len(share) // points) for k in range(1, points + 1)]
-        self.end_round, self.pending, self.results, self.done = end_round, [], [], 0
-        self.stopped = False
-
-    def after_step(self, finished: list) -> bool:
-        self.pending += [(s.index, s.generated, s.finish_reason) for s in finished]
-        self.done += len(finished)
-        while self.thresholds and self.done >= self.thresholds[0] and not self.stopped:
-            self.thresholds.pop(0)
-            self._commit()
-        return self.stopped
-
-    def finish(self) -> None:
-        """The share is done (or the job stops): the remaining points, so every replica calls end_round alike."""
-        while self.thresholds and not self.stopped:
-            self.thresholds.pop(0)
-            self._commit()
-
-    def _commit(self) -> None:
-        if self.end_round is None:
-            self.results += self.pending
-        else:
-            self.stopped = bool(self.end_round(self.pending))
-        self.pending = []
-
-
-def _free_bytes(ops, ranks_per_node: int) -> int:
-    """Memory left for this rank's KV pool after the weights: its GPU's free memory (cupy), or the host's
-    available memory shared by the node's ranks (numpy)."""
-    if ops.name == "cupy":
-        return int(ops.xp.cuda.runtime.memGetInfo()[0])
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, ranks_per_node)
 
 
 def _rounds(todo: list, dp: int, dp_index: int, lockstep: bool):

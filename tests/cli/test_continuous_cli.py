@@ -76,3 +76,20 @@ def test_unsupported_or_bad_values_are_one_clear_error(job, run_cli, tmp_path, o
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert not out.exists()
+
+
+def test_moe_replicas_stepping_together_write_the_static_file(job, run_cli, tmp_path):
+    """tiny-moe at dp = 2: the replicas exchange tokens in every MoE layer, so they step together (a replica out of
+    work runs empty steps) and commit at agreed points; the file equals the static schedule's. The expert capacity
+    is lifted (capacity_factor 64): with a binding capacity, which tokens an expert drops depends on which tokens
+    share a step, in either schedule (docs/scheduling.md)."""
+    files = {}
+    for mode in ("static", "continuous"):
+        out = tmp_path / f"{mode}.jsonl"
+        done = run(run_cli, job, out, 'model.preset="tiny-moe"', "parallel.ep=2", "moe.capacity_factor=64",
+                   f'schedule.batching="{mode}"', n=2)
+        assert done.returncode == 0, done.stderr
+        files[mode] = out.read_bytes()
+        batching = json.loads(out.with_name(f"{mode}.jsonl.metrics").read_text())["batching"]
+        assert batching["mode"] == mode
+    assert files["continuous"] == files["static"] and files["static"].count(b"\n") == N_PROMPTS

@@ -20,7 +20,7 @@ from hpcinfer.generate.runner import Runner
 from hpcinfer.generate.sampling import SamplingParams
 from hpcinfer.generate.schedules.continuous import ContinuousParams, balanced_shares, run_continuous
 from hpcinfer.generate.schedules.pipeline import generate_batch
-from hpcinfer.job import _CommitPoints
+from hpcinfer.generate.replica import CommitPoints
 from hpcinfer.model.transformer import Decoder
 
 ARCH = PRESETS["tiny-dense"]          # 4 layers, 4 heads of 16, 128 positions
@@ -126,19 +126,19 @@ def test_commit_points_call_end_round_the_same_number_of_times():
         calls.append(sorted(i for i, _, _ in results))
         return False
 
-    points = _CommitPoints(share=list(range(5)), points=3, end_round=end_round)   # thresholds 2, 4, 5
+    points = CommitPoints(share=list(range(5)), points=3, end_round=end_round)   # thresholds 2, 4, 5
     fin = lambda *ids: [type("S", (), {"index": i, "generated": [i], "finish_reason": "stop"}) for i in ids]
     assert not points.after_step(fin(0)) and calls == []
     assert not points.after_step(fin(1, 2)) and calls == [[0, 1, 2]]
     points.after_step(fin(3, 4))
     assert calls == [[0, 1, 2], [3, 4], []]                # the 4th and 5th finished at once: two points pass
-    idle = _CommitPoints(share=[], points=2, end_round=end_round)
+    idle = CommitPoints(share=[], points=2, end_round=end_round)
     idle.finish()
     assert calls[-2:] == [[], []]                           # a replica with no share still takes part
 
 
 def test_commit_points_stop_when_end_round_says_so():
-    points = _CommitPoints(share=list(range(4)), points=4, end_round=lambda results: True)
+    points = CommitPoints(share=list(range(4)), points=4, end_round=lambda results: True)
     fin = [type("S", (), {"index": 0, "generated": [], "finish_reason": "stop"})]
     assert points.after_step(fin) is True
     points.finish()                                          # no further end_round after a stop

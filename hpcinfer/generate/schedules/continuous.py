@@ -11,7 +11,9 @@ queue, to be prefilled again (prompt + what it generated) when it re-enters; its
 are kept, so preemption never changes a token.
 
 Every tp rank of a replica runs this loop with the same inputs and the same sampled tokens (Runner.sample
-broadcasts them), so all of them take the same decisions. Shape legend: S=sequences in a step, T=its tokens.
+broadcasts them), so all of them take the same decisions. MoE replicas exchange tokens in every MoE layer
+(`lockstep`, the dp group): each runs its own running set, but all of them step together, a replica with nothing
+to run taking part with an empty step, until none has work left. Shape legend: S=sequences in a step, T=its tokens.
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ class ContinuousScheduler:
     says stop). `after_step(finished sequences) -> bool` runs after every step, on every rank of the replica."""
 
     def __init__(self, runner: Runner, cache: PagedKVCache, seqs: list, params: ContinuousParams,
-                 times: StepTimes, after_step=lambda finished: False, name=lambda index: f"prompt {index}"):
+                 times: StepTimes, after_step=lambda finished: False, name=lambda index: f"prompt {index}",
+                 lockstep=None):
         self.runner, self.cache, self.params, self.times = runner, cache, params, times
+        self.lockstep = lockstep                        # the dp group when MoE replicas step together, else None
         self.waiting: deque = deque(seqs)
         self.running: list[_Running] = []               # admission order
         self.after_step = after_step
@@ -68,12 +72,19 @@ class ContinuousScheduler:
                                   f"[schedule] kv_cache_memory")
 
     def run(self) -> None:
-        while self.waiting or self.running:
+        while self._any_work():
             self._admit()
             plan = self._plan()
-            finished = self._step(plan) if plan else []
+            finished = self._step(plan) if plan or self.lockstep is not None else []
             if self.after_step(finished):
                 return
+
+    def _any_work(self) -> bool:
+        """This replica has sequences left; in lockstep, any replica has (every replica asks at every step)."""
+        mine = bool(self.waiting or self.running)
+        if self.lockstep is None:
+            return mine
+        return bool(self.lockstep.all_gather(np.array([mine], dtype=np.int64)).max())
 
     # ---- decisions -------------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -134,12 +145,14 @@ class ContinuousScheduler:
             r.computed += n
             if r.pending == 0:
                 ready.append(row)
-        if ready:
+        if ready:                                       # (an empty lockstep step has none)
             logits = self.runner.model.ops.to_host(logits)
             self.runner.sample([plan[row][0].seq for row in ready], logits[ready])
         step_s = time.perf_counter() - t0
         self.times.busy_s += step_s
-        if all(n == 1 for n in counts):
+        if not counts:
+            self.times.wait_s += step_s                 # an empty lockstep step: only the exchanges
+        elif all(n == 1 for n in counts):
             self.times.decode_s.append(step_s)
         else:
             self.times.prefill_s += step_s
@@ -163,23 +176,22 @@ class ContinuousScheduler:
 
 
 def run_continuous(runner: Runner, prompts: list, indices: list, times: StepTimes, params: ContinuousParams,
-                   cache: PagedKVCache, after_step=lambda finished: False, name=lambda index: f"prompt {index}") -> None:
+                   cache: PagedKVCache, after_step=lambda finished: False, name=lambda index: f"prompt {index}",
+                   lockstep=None) -> None:
     """Generate for `prompts` (token id lists, input indices `indices`) with continuous batching over `cache`;
     every finished sequence is handed to `after_step` (the replica's commit point) as it ends. name(index): how
-    an error names a prompt."""
+    an error names a prompt. lockstep: the dp group of MoE replicas, which step together."""
     seqs = runner.sequences(prompts, indices)
-    ContinuousScheduler(runner, cache, seqs, params, times, after_step, name).run()
+    ContinuousScheduler(runner, cache, seqs, params, times, after_step, name, lockstep).run()
 
 
-def unsupported(config, lockstep: bool) -> list[str]:
+def unsupported(config) -> list[str]:
     """Why this job cannot batch continuously in this runtime (empty: it can)."""
     why = []
     if config.offload.active:
         why.append("[offload] runs fixed blocks by design (FlexGen's zig-zag and ZeRO-Inference's row schedules)")
     if config.parallel.pp > 1:
         why.append(f"pipeline parallelism (pp = {config.parallel.pp}) runs the static micro-batch schedule")
-    if lockstep:
-        why.append("MoE replicas (dp > 1) exchange tokens in every layer and step together")
     if config.runtime.cuda_graphs:
         why.append("[runtime] cuda_graphs captures the static schedule's decode steps (paged steps run eagerly)")
     if config.model.kv_cache != "none":
@@ -189,10 +201,10 @@ def unsupported(config, lockstep: bool) -> list[str]:
     return why
 
 
-def batching_mode(config, lockstep: bool) -> str:
+def batching_mode(config) -> str:
     """"continuous" or "static" for `[schedule] batching` (auto: continuous where supported); asking for
     continuous where it is not supported is a ConfigError that names why."""
-    asked, why = config.schedule.batching, unsupported(config, lockstep)
+    asked, why = config.schedule.batching, unsupported(config)
     if asked == "continuous" and why:
         raise ConfigError(f"schedule.batching = \"continuous\" is not supported here: {'; '.join(why)}; use "
                           f"batching = \"static\" (or \"auto\")")
