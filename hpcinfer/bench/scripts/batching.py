@@ -127,6 +127,10 @@ def run_hf(ids: list, eos: list, batch: int, max_new: int, threads: int) -> dict
             "torch": torch.__version__}
 
 
+def _fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
 def report(result: dict) -> str:
     s, rows = result["settings"], result["runs"]
     lines = [f"# Continuous against static batching, {result['date']}", "",
@@ -138,19 +142,14 @@ def report(result: dict) -> str:
              "| run | tokens/s | vs static (same dp; transformers: dp=1) | occupancy | p50 / p99 s between tokens | preemptions | imbalance |",
              "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"| {name} | {r['error']} |||||")
-            continue
         same_dp = name.replace("continuous", "static") if name.startswith(("static", "continuous")) else "static dp=1"
         base = rows.get(same_dp, {}).get("tokens_per_s")
         lat = r.get("token_latency_s") or {}
-        occ = r.get("occupancy")
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / base:.2f}x |" if base else f"| {name} | {r['tokens_per_s']:.1f} | |")
-        lines[-1] += (f" {occ:.2f} |" if occ is not None else " |") + \
-            (f" {lat['p50']:.3f} / {lat['p99']:.3f} |" if lat.get("p50") is not None else " |") + \
-            f" {r.get('preemptions', '')} | " + \
-            (f"{r['replica_imbalance']:.3f} |" if r.get("replica_imbalance") is not None else " |")
+        cells = [name, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / base:.2f}x" if base else "",
+                 _fmt(r.get("occupancy"), ".2f"),
+                 f"{lat['p50']:.3f} / {lat['p99']:.3f}" if lat.get("p50") is not None else "",
+                 str(r.get("preemptions", "")), _fmt(r.get("replica_imbalance"), ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *(f"- {k}: {v}" for k, v in result["checks"].items()), ""]
     return "\n".join(lines)
 
