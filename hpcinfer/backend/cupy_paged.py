@@ -21,8 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import cupy_attention
-from .cupy_attention import DECODE, launch_decode
+from .cupy_decode import DECODE, launch_decode
 from .interface import StepLayout
+from .paged_attention import step_memo
 
 F32 = np.float32
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
@@ -124,13 +125,8 @@ def gather(ops, pool, blocks, offsets, kept):
 
 
 def uploaded(ops, step: StepLayout, name: str, make):
-    """make() -> a host array (or a tuple of them), on the device once per step: every layer gets the same StepLayout
-    (PagedKVCache.layer_step), so its slots, tables and gather indices go down once a step, not once a layer.
-    The ops keep the last step's copies (the step itself is the key: identity, held, so never a stale match)."""
-    step_arrays = getattr(ops, "_paged_uploads", None)
-    if step_arrays is None or step_arrays[0] is not step:
-        step_arrays = ops._paged_uploads = (step, {})
-    if name not in step_arrays[1]:
+    """make() -> a host array (or a tuple of them), on the device once per step (paged_attention.step_memo)."""
+    def upload():
         made = make()
-        step_arrays[1][name] = tuple(map(ops.xp.asarray, made)) if isinstance(made, tuple) else ops.xp.asarray(made)
-    return step_arrays[1][name]
+        return tuple(map(ops.xp.asarray, made)) if isinstance(made, tuple) else ops.xp.asarray(made)
+    return step_memo(ops, step, ("device", name), upload)

@@ -32,19 +32,19 @@ def attention(ops, q, k, v, pool_k, pool_v, step, scale: float):
     every layer gets the same StepLayout). The rows gathered past a sequence's length are not zeroed: the pools
     start as zeros and only ever hold K/V rows the model wrote, and the scores mask those positions to -inf, so they
     weigh exactly 0 (a masked copy of every gathered row cost a third of a decode step here)."""
-    paged_append(pool_k, pool_v, _memo(ops, step, "slots", step.flat_slots), k, v)
+    paged_append(pool_k, pool_v, step_memo(ops, step, "slots", step.flat_slots), k, v)
     kv_heads, bs, hd = pool_k.shape[1], pool_k.shape[2], pool_k.shape[3]
     if step.is_decode:
         lengths = step.starts + 1
         L = int(lengths.max())
-        index = _memo(ops, step, ("decode", kv_heads, bs), lambda: _row_index(step.tables, L, kv_heads, bs))
+        index = step_memo(ops, step, ("decode", kv_heads, bs), lambda: _row_index(step.tables, L, kv_heads, bs))
         keys, values = (np.take(pool.reshape(-1, hd), index, axis=0) for pool in (pool_k, pool_v))  # [S,Hkv,L,hd]
         return ops._decode_over(q, keys, values, lengths, scale)
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
     for s in range(step.num_seqs):
         a, b = step.token_range(s)
         length = int(step.starts[s]) + b - a
-        index = _memo(ops, step, ("prefill", s, kv_heads, bs),
+        index = step_memo(ops, step, ("prefill", s, kv_heads, bs),
                       lambda: _row_index(step.tables[s:s + 1], length, kv_heads, bs)[0])
         k_seq, v_seq = (np.take(pool.reshape(-1, hd), index, axis=0) for pool in (pool_k, pool_v))  # [Hkv, n, hd]
         out[a:b] = ops._causal_attention(q[a:b], k_seq, v_seq, int(step.starts[s]), scale)
@@ -59,8 +59,11 @@ def _row_index(tables, L: int, kv_heads: int, bs: int) -> np.ndarray:
     return (blocks[:, None, :] * kv_heads + np.arange(kv_heads)[None, :, None]) * bs + (positions % bs)[None, None, :]
 
 
-def _memo(ops, step, name, make):
-    """make() once per step: the ops keep the last step's values, keyed by the step itself (identity, held)."""
+def step_memo(ops, step, name, make):
+    """make() once per step: every layer gets the same StepLayout (PagedKVCache.layer_step), so what a step's
+    attention derives from it (indices; on CuPy their device copies, backend/cupy_paged.py) is made once a step,
+    not once a layer. The ops keep the last step's values, keyed by the step itself (identity, held: never a stale
+    match)."""
     memo = getattr(ops, "_paged_step", None)
     if memo is None or memo[0] is not step:
         memo = ops._paged_step = (step, {})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend.interface import StepLayout
+from ..quant.kv import kv_bytes_per_token
 from .block_manager import BlockPool, BlockTables
 
 F32 = np.float32
@@ -19,7 +20,7 @@ F32 = np.float32
 
 def block_bytes(num_layers: int, kv_heads: int, block_size: int, head_dim: int) -> int:
     """Bytes of one block across this rank's layers: K and V, float32."""
-    return 2 * num_layers * kv_heads * block_size * head_dim * 4
+    return kv_bytes_per_token(kv_heads, head_dim, num_layers) * block_size
 
 
 def pool_blocks(nbytes: int, per_block: int, batch_size: int, longest: int, block_size: int) -> int:

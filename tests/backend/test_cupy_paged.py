@@ -161,8 +161,8 @@ def test_the_step_goes_down_once_for_every_layer(emu_cupy, ops):
     q, k, v = (ops.asarray(a) for a in qkv_views(rng, step.num_tokens, 2, 2, 8))
     layers = [(emu_cupy.asarray(pool_k), emu_cupy.asarray(pool_v)) for _ in range(2)]
     first = cupy_paged.attention(ops, q, k, v, *layers[0], step, SCALE)
-    uploads = dict(ops._paged_uploads[1])
+    uploads = dict(ops._paged_step[1])                                   # paged_attention.step_memo
     second = cupy_paged.attention(ops, q, k, v, *layers[1], step, SCALE)
-    assert sorted(uploads) == ["gather", "slots"]
-    assert all(ops._paged_uploads[1][name] is arrays for name, arrays in uploads.items())   # not uploaded again
+    assert sorted(uploads) == [("device", "gather"), ("device", "slots")]
+    assert all(ops._paged_step[1][name] is arrays for name, arrays in uploads.items())     # not uploaded again
     np.testing.assert_array_equal(ops.to_host(first), ops.to_host(second))

@@ -83,6 +83,10 @@ def test_tokens_equal_static_batching(eos_model, sampling):
     assert got == want
     assert times.generated_tokens == sum(len(t) for t, _ in want) and len(times.ttft_s) == len(ps)
     assert times.occupancy_steps > 0 and times.occupancy_running == 3 * times.occupancy_steps   # full while waiting
+    static_times = StepTimes()                                  # static: the batch's running sequences per step
+    generate_batch(eos_model, ps, list(range(len(ps))), params, static_times)
+    assert static_times.occupancy_steps == len(static_times.decode_s)
+    assert 0 < static_times.occupancy_running < len(ps) * static_times.occupancy_steps    # some stopped early
 
 
 def test_admission_order_and_chunk_size_do_not_change_tokens(eos_model):

@@ -20,7 +20,6 @@ import datetime as _dt
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,12 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from ...checkpoint.format import open_checkpoint
-from ...comm.mpi_library import launcher_free_env
 from ...generate.prompts import load_prompts
 from ...generate.tokenizer import TextTokenizer
 from ..common import git_commit, logger, machine_info
 from ..hf_baseline import Transformers
-from ..suites.cells import toml_text
+from ..suites.cells import run_job, toml_text
 from .results import write_results
 
 PROMPTS = Path("inputs/batching-chat.jsonl")
@@ -45,6 +43,7 @@ QUESTIONS = ("In two or three sentences, what does this part of the Python docum
              "What are the main points of this passage?",
              "Explain the key idea of this text in plain words.",
              "Write a short question a student could answer after reading this.")
+JOB_TIMEOUT_S = 3600            # one hpcinfer run of the whole set (about 8 minutes at the defaults here)
 log = logger("bench.batching")
 
 
@@ -80,9 +79,9 @@ def run_job(prompts: Path, out: Path, dp: int, batch: int, max_new: int, schedul
     if dp > 1:
         argv = [str(Path(python).parent / "mpiexec"), "-n", str(dp)] + argv
     t0 = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, env=launcher_free_env(os.environ))
-    if done.returncode != 0:
-        raise SystemExit(f"bench.batching: {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    code, output = run_job(argv, JOB_TIMEOUT_S, out.with_suffix(".log"))
+    if code != 0:
+        raise SystemExit(f"bench.batching: {' '.join(argv)} failed:\n{output[-3000:]}")
     metrics = json.loads(Path(f"{out}.metrics.json").read_text())
     metrics["wall_s"] = time.perf_counter() - t0
     return metrics
@@ -139,7 +138,8 @@ def report(result: dict) -> str:
              f"{s['prompt_tokens']['median']}), max_new_tokens {s['max_new']}, EOS stops, batch_size {s['batch']}; "
              f"{result['machine'].get('cpu_model')}, {result['machine'].get('cpus_usable')} cores; commit "
              f"{result['commit']}.", "",
-             "| run | tokens/s | vs static (same dp; transformers: dp=1) | occupancy | p50 / p99 s between tokens | preemptions | imbalance |",
+             "| run | tokens/s | vs static (same dp; transformers: dp=1) | occupancy | p50 / p99 s between tokens "
+             "| preemptions | imbalance |",
              "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         same_dp = name.replace("continuous", "static") if name.startswith(("static", "continuous")) else "static dp=1"

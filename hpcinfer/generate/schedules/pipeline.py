@@ -126,8 +126,8 @@ class _StageRunner:
             if reply["alive"] == 0:                             # every sequence of g (on every replica) stopped
                 continue
             running = [i for i in self.gen_groups[g] if self.seqs[i].finish_reason is None]
-            self.times.occupancy_steps += 1                     # a decode step: its running share of the batch
-            self.times.occupancy_running += len(running) * len(self.gen_groups)
+            self.times.occupancy_steps += 1                     # a decode step: the batch's running sequences
+            self.times.occupancy_running += sum(1 for s in self.seqs if s.finish_reason is None)
             sent_at[g] = time.perf_counter()
             starts, counts, tokens = Runner.decode_inputs([self.seqs[i] for i in running])
             self._step({"phase": "gen", "mb": g, "seqs": running, "starts": starts, "counts": counts},
