@@ -108,6 +108,13 @@ class RunGraphs:
             self.graphs = None
 
 
+def paged_decode_graphs(runner, cache, cuda_graphs: bool):
+    """The continuous schedule's captured decode steps over a paged cache (generate/paged_cache.PagedKVCache), or
+    None: every paged step runs eagerly (continuous.unsupported refuses `[runtime] cuda_graphs` until they are
+    captured)."""
+    return None
+
+
 def batch_cache(model, schedule, run_graphs: RunGraphs, slots: int, max_len: int, make_cache) -> tuple:
     """(KV cache, DecodeGraphs or None) for a batch of `slots` sequences up to `max_len` positions: the run's kept
     ones (`run_graphs`, the Runner's) when `[runtime] cuda_graphs` is on and the backend is cupy; a batch's own cache and graphs (closed with

@@ -18,9 +18,22 @@ from .block_manager import BlockPool, BlockTables
 F32 = np.float32
 
 
-def block_bytes(num_layers: int, kv_heads: int, block_size: int, head_dim: int) -> int:
-    """Bytes of one block across this rank's layers: K and V, float32."""
+def block_bytes(num_layers: int, kv_heads: int, block_size: int, head_dim: int, kv_format=None) -> int:
+    """Bytes of one block across this rank's layers: K and V, float32 (kv_format: quant.kv.KVFormat or None)."""
+    if kv_format is not None:
+        raise NotImplementedError("quantized KV rows in paged blocks")
     return kv_bytes_per_token(kv_heads, head_dim, num_layers) * block_size
+
+
+def supports(kv_cache: str = "none", attention_topk: float = 0.0) -> list[str]:
+    """Why the paged cache cannot hold this job's KV (empty: it can): `[model] kv_cache` and
+    `[generate] attention_topk`, as the continuous schedule asks (schedules/continuous.unsupported)."""
+    why = []
+    if kv_cache != "none":
+        why.append(f"model.kv_cache = {kv_cache!r} is not stored in blocks yet")
+    if 0 < attention_topk < 1:
+        why.append("generate.attention_topk reads the dense cache")
+    return why
 
 
 def pool_blocks(nbytes: int, per_block: int, batch_size: int, longest: int, block_size: int) -> int:
@@ -34,10 +47,15 @@ def pool_blocks(nbytes: int, per_block: int, batch_size: int, longest: int, bloc
 class PagedKVCache:
     """One rank's paged KV pool over its local layers and the running sequences' block tables."""
 
-    def __init__(self, ops, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int):
+    def __init__(self, ops, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
+                 kv_format=None):
+        if kv_format is not None:
+            raise NotImplementedError("quantized KV rows in paged blocks")
         self.tables = BlockTables(BlockPool(num_blocks, block_size))
         self.block_size = block_size
-        shape = (num_blocks, kv_heads, block_size, head_dim)
+        self.kv_format = kv_format
+        self.spare_block = num_blocks            # one block past the pool's: where padding rows write, never read
+        shape = (num_blocks + 1, kv_heads, block_size, head_dim)
         self.k = [ops.zeros(shape, F32) for _ in range(num_layers)]
         self.v = [ops.zeros(shape, F32) for _ in range(num_layers)]
 

@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from .engine import StepTimes
+from .graphs import paged_decode_graphs
 from .paged_cache import PagedKVCache, block_bytes, pool_blocks
 from .runner import Runner
 from .schedules.continuous import ContinuousParams, balanced_shares, run_continuous
@@ -43,7 +44,8 @@ def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None
     commits = CommitPoints(mine, points, end_round, lockstep)
     run_continuous(runner, [job.prompts[i].tokens for i in mine], mine, times,
                    ContinuousParams(running, sch.step_tokens(running)), cache, commits.after_step,
-                   lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} of {g.prompts})", lockstep)
+                   lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} of {g.prompts})", lockstep,
+                   paged_decode_graphs(runner, cache, config.runtime.cuda_graphs))
     commits.finish()
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.nbytes)     # the pool, allocated whole
     return commits.results

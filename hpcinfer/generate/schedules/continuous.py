@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..engine import Sequence, StepTimes
-from ..paged_cache import PagedKVCache
+from ..paged_cache import PagedKVCache, supports as paged_supports
 from ..runner import Runner
 
 
@@ -57,8 +57,9 @@ class ContinuousScheduler:
 
     def __init__(self, runner: Runner, cache: PagedKVCache, seqs: list, params: ContinuousParams,
                  times: StepTimes, after_step=lambda finished: False, name=lambda index: f"prompt {index}",
-                 lockstep=None):
+                 lockstep=None, graphs=None):
         self.runner, self.cache, self.params, self.times = runner, cache, params, times
+        self.graphs = graphs                            # captured decode steps over `cache` (generate/graphs.py)
         self.lockstep = lockstep                        # the dp group when MoE replicas step together, else None
         self.waiting: deque = deque(seqs)
         self.running: list[_Running] = []               # admission order
@@ -139,7 +140,7 @@ class ContinuousScheduler:
         self._record_occupancy(plan)
         layout = self.cache.layout(ids, starts, counts)
         t0 = time.perf_counter()
-        logits = self.runner.step(self.cache, layout, {"tokens": tokens})
+        logits = self.runner.step(self.cache, layout, {"tokens": tokens}, self.graphs)
         ready = []
         for row, (r, n) in enumerate(plan):
             r.computed += n
@@ -177,12 +178,13 @@ class ContinuousScheduler:
 
 def run_continuous(runner: Runner, prompts: list, indices: list, times: StepTimes, params: ContinuousParams,
                    cache: PagedKVCache, after_step=lambda finished: False, name=lambda index: f"prompt {index}",
-                   lockstep=None) -> None:
+                   lockstep=None, graphs=None) -> None:
     """Generate for `prompts` (token id lists, input indices `indices`) with continuous batching over `cache`;
     every finished sequence is handed to `after_step` (the replica's commit point) as it ends. name(index): how
-    an error names a prompt. lockstep: the dp group of MoE replicas, which step together."""
+    an error names a prompt. lockstep: the dp group of MoE replicas, which step together. graphs: the captured
+    paged decode steps over `cache` (generate/graphs.paged_decode_graphs), or None (every step eager)."""
     seqs = runner.sequences(prompts, indices)
-    ContinuousScheduler(runner, cache, seqs, params, times, after_step, name, lockstep).run()
+    ContinuousScheduler(runner, cache, seqs, params, times, after_step, name, lockstep, graphs).run()
 
 
 def unsupported(config) -> list[str]:
@@ -194,11 +196,7 @@ def unsupported(config) -> list[str]:
         why.append(f"pipeline parallelism (pp = {config.parallel.pp}) runs the static micro-batch schedule")
     if config.runtime.cuda_graphs:
         why.append("[runtime] cuda_graphs captures the static schedule's decode steps (paged steps run eagerly)")
-    if config.model.kv_cache != "none":
-        why.append(f"model.kv_cache = {config.model.kv_cache!r} is not stored in blocks yet")
-    if config.generate.attention_topk:
-        why.append("generate.attention_topk reads the dense cache")
-    return why
+    return why + paged_supports(config.model.kv_cache, config.generate.attention_topk)
 
 
 def batching_mode(config) -> str:
