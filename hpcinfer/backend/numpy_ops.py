@@ -177,7 +177,7 @@ class NumpyOps:
         if step.num_tokens == 0:                             # a replica with no tokens in a lockstep step
             return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
         if step.is_paged:                                    # the continuous schedule's paged KV pool
-            return paged_attention.attention(self, q, k, v, cache_k, cache_v, step, scale)
+            return paged_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         if not isinstance(cache_k, np.ndarray) or (0 < topk < 1 and step.is_decode):
             return kv_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         self._append_kv(k, v, cache_k, cache_v, step)
