@@ -303,7 +303,7 @@ class CupyOps:
         and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py. A paged step (the continuous schedule's pools
         [blocks, Hkv, block_size, hd]) goes to backend/cupy_paged.py."""
         if step.is_paged:
-            return cupy_paged.attention(self, q, k, v, cache_k, cache_v, step, scale)
+            return cupy_paged.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         return cupy_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
 
     def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):

@@ -20,22 +20,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cupy_attention
+from . import cupy_attention, cupy_kv
 from .cupy_decode import DECODE, launch_decode
 from .interface import StepLayout
-from .paged_attention import step_memo
+from .paged_attention import needs_dense_kv, step_memo, through_dense
 
 F32 = np.float32
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
 APPEND_BLOCK = 128
 
 
-def attention(ops, q, k, v, pool_k, pool_v, step: StepLayout, scale: float):
+def attention(ops, q, k, v, pool_k, pool_v, step: StepLayout, scale: float, topk: float = 0.0):
     """A paged step: q [T, H, hd]; k, v [T, Hkv, hd] appended at the step's flat slots; pools [blocks, Hkv, bs, hd]
-    float32 -> [T, H*hd]."""
+    float32 -> [T, H*hd]. A quantized pool (QuantizedKV) or top-k decode tokens (0 < topk < 1): gathered into the
+    dense layout for cupy_kv.py (paged_attention.through_dense)."""
     cp = ops.xp
     if step.num_tokens == 0:
         return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
+    if needs_dense_kv(pool_k, step, topk):
+        return through_dense(ops, q, k, v, pool_k, pool_v, step, scale, topk, cupy_kv.attention)
     ops._check_cache(pool_k, pool_v)
     if step.is_decode:
         kernels = _decode_kernels(ops, q, k, v, pool_k)
