@@ -1,8 +1,8 @@
 """Quantized KV pools and top-k over blocks on CuPy (cupy_paged.attention -> paged_attention.through_dense with
 cupy_kv.attention), on the CPU stand-in for cupy (fixture `emu_cupy`; the kernels run on the emulator): the output
 equals the NumPy spec's (backend/paged_attention.py) and the new rows are stored with the same bytes, with the
-kernels and with plain CuPy, for decode, prefill and mixed steps at block sizes 1 and 4. End to end: a tiny-dense
-Decoder on CupyOps through the continuous schedule with int4 rows and top-k gives the NumPy tokens."""
+kernels and with plain CuPy, for decode, prefill and mixed steps at block sizes 1 and 4. The kernels launched are the
+dense quantized cache's. End to end: tests/generate/test_continuous_quant_cupy.py."""
 
 from __future__ import annotations
 
@@ -64,33 +64,3 @@ def test_a_quantized_pool_runs_the_dense_quantized_kernels(emu_cupy, monkeypatch
     cupy_paged.attention(ops, *(ops.asarray(a) for a in (q, k, v)), *(on_device(emu_cupy, p) for p in pools), step,
                          SCALE)
     assert launched == want
-
-
-def test_continuous_schedule_on_cupy_with_int4_rows_and_top_k_gives_the_numpy_tokens(emu_cupy):
-    from hpcinfer.backend.cupy_ops import CupyOps
-    from hpcinfer.checkpoint.presets import PRESETS, PresetSource
-    from hpcinfer.comm.group import Groups
-    from hpcinfer.generate.engine import GenerationParams, StepTimes
-    from hpcinfer.generate.paged_cache import PagedKVCache
-    from hpcinfer.generate.runner import Runner
-    from hpcinfer.generate.schedules.continuous import ContinuousParams, run_continuous
-    from hpcinfer.model.transformer import Decoder
-
-    arch = PRESETS["tiny-dense"]
-    fmt = kv_format("int4", 64, arch.head_dim)
-    prompts = [[1, 2, 3, 4, 5], [200, 7], [42] * 11, [9, 8, 7]]
-
-    def tokens(ops):
-        model = Decoder(ops, Groups(), arch, kv_format=fmt, attention_topk=0.5).load(PresetSource("tiny-dense", arch))
-        cache = PagedKVCache(ops, model.num_local_layers, 16, model.kv_heads_local, 4, arch.head_dim, kv_format=fmt)
-        out = {}
-
-        def after_step(finished):
-            out.update({s.index: s.generated for s in finished})
-            return False
-
-        run_continuous(Runner(model, GenerationParams(5, ignore_eos=True)), prompts, list(range(len(prompts))),
-                       StepTimes(), ContinuousParams(2, 6), cache, after_step)
-        return [out[i] for i in range(len(prompts))]
-
-    assert tokens(CupyOps(device=0)) == tokens(NumpyOps())
