@@ -7,6 +7,8 @@ planner), bench/suites/main.py."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -26,7 +28,7 @@ from .offload.profile import measure, resolve_profile, save_profile
 from .offload.profile_gpu import with_gpu
 from .perf.links import measure_ranks, with_link_defaults_noted, with_mpiexec_noted
 from .perf.report import plan_layouts
-from .quant.formats import LOAD_MODES
+from .quant.formats import DEFAULT_EMBEDDING, EMBEDDINGS, LOAD_MODES
 from .runtime import main_run
 
 
@@ -48,8 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--quantize", default="none", choices=LOAD_MODES,
                          help="store the matrices quantized: int8 (symmetric per output channel), int4 / asym8 "
                               "(group-wise asymmetric 4 / 8 bits) (docs/quantization.md; default none)")
-    convert.add_argument("--group-size", type=int, default=64, help="int4 / asym8 group size along the input "
-                         "dimension (default 64)")
+    convert.add_argument("--group-size", type=int, default=None, help="int4 / asym8 group size along the input "
+                         "dimension (default: the source's block grid, 32 for a GGUF's Q4_0 / Q4_1 / Q8_0 "
+                         "tensors, whose blocks are then kept where they have the target's bits; else 64)")
+    convert.add_argument("--quantize-embedding", default=DEFAULT_EMBEDDING, choices=EMBEDDINGS,
+                         help="with --quantize int4: the token embedding and LM head at 8 bits (int8, the default: "
+                              "int8 per row, or a GGUF's Q8_0 blocks kept) or int4 like the other matrices (same)")
     convert.add_argument("--keep-quantized", action="store_true",
                          help="GGUF: keep Q4_1 / Q8_0 matrices as they are instead of dequantizing them")
     inspect = sub.add_parser("inspect", help="print a checkpoint's architecture and tensors, and check it")
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             return main_run(args.config, args.overrides, args.restart)     # errors after MPI loads: its own
         if args.command == "convert":
             return _convert(args.source, args.output, args.dtype, args.quantize, args.group_size,
-                            args.keep_quantized)
+                            args.keep_quantized, args.quantize_embedding)
         if args.command == "profile":
             return _profile(args)
         if args.command == "plan":
@@ -149,13 +155,39 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
-def _convert(source: str, output: str, dtype: str, quantize: str = "none", group_size: int = 64,
-             keep_quantized: bool = False) -> int:
+def _convert(source: str, output: str, dtype: str, quantize: str = "none", group_size: int | None = None,
+             keep_quantized: bool = False, embedding: str = DEFAULT_EMBEDDING) -> int:
     t0 = time.perf_counter()
-    arch = convert(source, output, dtype, quantize, group_size, keep_quantized)
+    with _log_lines_on_stderr():                     # the converter's log lines: its group choice, its warnings
+        arch = convert(source, output, dtype, quantize, group_size, keep_quantized, embedding)
     print(f"hpcinfer: converted {source} -> {output} ({arch.family}, {arch.num_layers} layers, "
           f"{arch.param_count():,} parameters, {dtype}) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+class _CommandFormatter(logging.Formatter):
+    def format(self, record) -> str:
+        level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"hpcinfer: {level}{record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _log_lines_on_stderr():
+    """The "hpcinfer" logger's info lines and warnings on stderr, as `hpcinfer: ...` lines, while a command runs
+    outside an MPI job (whose ranks log through logs.setup_logging)."""
+    logger = logging.getLogger("hpcinfer")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_CommandFormatter())
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def _inspect(path: str, verify: bool = False) -> int:

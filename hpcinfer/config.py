@@ -18,7 +18,7 @@ from .comm.nccl_group import COMMS
 from .errors import ConfigError
 from .generate.graphs import check_config as check_graphs_config
 from .offload.placement import PAIRS, PERCENT_RULE, SCHEDULES, fills_100, is_percent, over_100
-from .quant.formats import LOAD_MODES
+from .quant.formats import DEFAULT_EMBEDDING, EMBEDDINGS, LOAD_MODES
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -59,8 +59,13 @@ class ModelSection:
         "quantize a float checkpoint's matrices while loading: int8 (symmetric per output channel), int4 / asym8 "
         "(group-wise asymmetric 4 / 8 bits; docs/quantization.md)",
         choices=LOAD_MODES))
-    quantize_group: int = field(default=64, metadata=_meta("int4 / asym8 group size along each matrix's input dimension",
-                                                           _positive))
+    quantize_group: int = field(default=0, metadata=_meta(
+        "int4 / asym8 group size along each matrix's input dimension; 0 = the source's block grid (32 for a "
+        "checkpoint from a Q4_0 / Q4_1 / Q8_0 GGUF, whose blocks are then kept where they have the target's bits), "
+        "else 64", _non_negative))
+    quantize_embedding: str = field(default=DEFAULT_EMBEDDING, metadata=_meta(
+        "with quantize = \"int4\": the token embedding and LM head at 8 bits (int8 per row, or a GGUF's Q8_0 blocks "
+        "kept) or int4 like the other matrices (same)", choices=EMBEDDINGS))
     kv_cache: str = field(default="none", metadata=_meta(
         "KV cache storage: none (float32), int8 or int4 (group-wise asymmetric along head_dim; docs/quantization.md)",
         choices=("none", "int8", "int4")))

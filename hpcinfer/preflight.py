@@ -24,7 +24,7 @@ def check_quantization(config, ckpt, ops) -> LoadQuant | None:
     """`[model] quantize` against the checkpoint's own format (quantized weights run on both backends: NumpyOps
     dequantizes tiles, CupyOps dequantizes in registers, backend/cupy_quant.py) -> what the model load quantizes
     (quant.storage.load_quant: pass it to the model's load and to quant_of; the checkpoint is not changed)."""
-    quant = load_quant(ckpt, config.model.quantize, config.model.quantize_group)
+    quant = load_quant(ckpt, config.model.quantize, config.model.quantize_group, config.model.quantize_embedding)
     kv_format_of(config, ckpt.arch)          # a quantized KV cache and top-k run on both backends (cupy_kv.py)
     return quant
 

@@ -16,7 +16,8 @@ import numpy as np
 from ..arch import ModelArch, tensor_shapes
 from ..errors import CheckpointError
 from ..quant.formats import dequantize
-from ..quant.storage import QUANTIZATIONS, is_stored_quantized, read_quantized, stored_shape
+from ..quant.storage import (QUANTIZATIONS, is_stored_quantized, read_quantized, stored_format, stored_nbytes,
+                             stored_shape)
 from . import integrity
 from .integrity import truncation_report
 
@@ -187,14 +188,16 @@ def describe(ckpt: Checkpoint) -> str:
     lines.append("tokenizer: " + ("none" if ckpt.tokenizer_json() is None else
                                   "stored" + (" (with chat template)" if tok.get("chat_template") else "")))
     shapes = tensor_shapes(arch)
-    total = 0
-    lines.append(f"tensors ({len(shapes)}):")
+    total = stored = 0
+    lines.append(f"tensors ({len(shapes)}): name, shape, format (group), bytes per parameter")
     for name, shape in shapes.items():
         n = int(np.prod(shape))
-        total += n
-        kind = (str(ckpt.file[f"{name}.q"].attrs["mode"]) if is_stored_quantized(ckpt.file, name) else ckpt.dtype)
-        lines.append(f"  {name:40s} {str(list(shape)):>16s} {kind}")
+        size = stored_nbytes(ckpt.file, name)
+        total, stored = total + n, stored + size
+        lines.append(f"  {name:40s} {str(list(shape)):>16s} {stored_format(ckpt.file, name, ckpt.dtype):28s} "
+                     f"{size / max(n, 1):.4f}")
     lines.append(f"parameters: {total:,}")
+    lines.append(f"bytes: {stored:,} for all tensors, {stored / max(total, 1):.4f} bytes per parameter")
     lines.append("checksums: " + ("crc32 per tensor, and a metadata manifest" if integrity.has_checksums(ckpt.file)
                                   else integrity.NO_CHECKSUMS))
     lines.append("check: OK (format, version, architecture, every tensor's shape and dtype)")

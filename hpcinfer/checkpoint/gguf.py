@@ -21,8 +21,9 @@ import numpy as np
 
 from ..arch import ModelArch, tensor_shapes
 from ..errors import CheckpointError
-from ..quant.formats import from_gguf_q4_1, from_gguf_q8_0, slice_rows
-from ..quant.storage import is_quantizable
+from ..quant.formats import (DEFAULT_EMBEDDING, DEFAULT_GROUP, as_mode, from_gguf_q4_0, from_gguf_q4_1,
+                             from_gguf_q8_0, gguf_grid, slice_rows)
+from ..quant.storage import LoadQuant, is_quantizable, plan_quant, tell
 from .gguf_file import GgufFile
 from .gguf_tokenizer import read_tokenizer
 from .writer import CheckpointWriter
@@ -48,26 +49,42 @@ _LAYER_TENSORS = {
 }
 # Row-parallel matrices are stored [in, out]: the transpose of nn.Linear's (and GGUF's numpy-order) [out, in].
 _TRANSPOSED = ("attn.o.weight", "mlp.down.weight")
+# GGUF block types whose blocks can be stored as they are: by --keep-quantized (as q4_1 / q8_0), and by --quantize
+# when they already have the target's bits (Q4_0 / Q4_1 as int4 in groups of 32, Q8_0 as q8_0).
+_KEEP_QUANTIZED = {"Q4_1": from_gguf_q4_1, "Q8_0": from_gguf_q8_0}
+_KEPT_BLOCKS = {"Q4_0": from_gguf_q4_0, "Q4_1": from_gguf_q4_1, "Q8_0": from_gguf_q8_0}
 
 
-def convert_gguf(src: str, out: str, dtype: str = "float32", quantize: str = "none", group_size: int = 64,
-                 keep_quantized: bool = False) -> ModelArch:
+def convert_gguf(src: str, out: str, dtype: str = "float32", quantize: str = "none", group_size: int | None = None,
+                 keep_quantized: bool = False, embedding: str = DEFAULT_EMBEDDING) -> ModelArch:
     """Convert the GGUF file `src` into the checkpoint `out` (written atomically); return its architecture.
     keep_quantized: Q4_1 and Q8_0 matrices are stored as they are (quant/formats.py, modes q4_1 and q8_0), the rest
-    dequantized; quantize = "int8" | "int4" | "asym8" re-quantizes the dequantized matrices instead."""
+    dequantized. quantize = "int8" | "int4" | "asym8": matrices whose blocks already have the target's bits keep
+    them (Q4_0 / Q4_1 under int4, Q8_0 under int8 and int4's 8-bit embedding) unless a group_size other than their
+    block is given; the rest are dequantized and re-quantized, in groups of group_size, or when None on the source's
+    block grid (quant.storage.plan_quant, which also logs the choice, or warns of a group off the grid). A float
+    conversion records each tensor's block grid on it, for `[model] quantize` to follow later."""
     if keep_quantized and quantize != "none":
         raise CheckpointError("--keep-quantized keeps the GGUF's own blocks; it cannot be combined with --quantize")
     gguf_file = GgufFile(src)
     arch = _read_arch(gguf_file)
     sources = _map_tensors(gguf_file, arch)
     tokenizer = read_tokenizer(gguf_file)
-    with CheckpointWriter(out, arch, dtype, "gguf" if keep_quantized else quantize, group_size) as writer:
+    grids = {name: gguf_grid(tensor.tensor_type.name) for name, tensor in sources.items()}
+    plan = None
+    if quantize != "none":
+        plan, told = plan_quant(quantize, group_size, embedding,
+                                {n: g for n, g in grids.items() if g is not None and is_quantizable(n)},
+                                "--group-size")
+        tell(told)
+    with CheckpointWriter(out, arch, dtype, "gguf" if keep_quantized else quantize,
+                          plan.group_size if plan else DEFAULT_GROUP, embedding) as writer:
         for name, tensor in sources.items():
-            kept = _kept_blocks(gguf_file, name, tensor, arch) if keep_quantized else None
+            kept = _kept_blocks(gguf_file, name, tensor, arch, keep_quantized, plan, grids[name])
             if kept is not None:
                 writer.add_quantized(name, kept)
                 continue
-            writer.add(name, _to_canonical(name, _dequantize(gguf_file, tensor), arch))
+            writer.add(name, _to_canonical(name, _dequantize(gguf_file, tensor), arch), grids[name])
         if tokenizer is not None:
             writer.set_tokenizer(**tokenizer)
     return arch
@@ -195,16 +212,22 @@ def _dequantize(f: GgufFile, tensor, probe: bool = False) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
-def _kept_blocks(f: GgufFile, name: str, tensor, arch: ModelArch):
-    """A Q4_1 / Q8_0 matrix as a QuantizedTensor in compute layout [out, in] (GGUF's numpy order already is), its
-    Q/K rows un-permuted like the float path; None for other types and tensors (they are dequantized)."""
-
+def _kept_blocks(f: GgufFile, name: str, tensor, arch: ModelArch, keep_quantized: bool, plan: LoadQuant | None,
+                 grid):
+    """The matrix's own blocks as a QuantizedTensor in compute layout [out, in] (GGUF's numpy order already is), its
+    Q/K rows un-permuted like the float path, when they are stored as they are: every Q4_1 / Q8_0 matrix under
+    keep_quantized; under `plan` (--quantize) a Q4_0 / Q4_1 / Q8_0 matrix the plan keeps (already at the target's
+    bits), in the mode it runs as (q4_1 -> int4). None for the others (they are dequantized)."""
     kind = tensor.tensor_type.name
-    if kind not in ("Q4_1", "Q8_0") or not is_quantizable(name):
+    readers = _KEEP_QUANTIZED if keep_quantized else _KEPT_BLOCKS
+    wanted = keep_quantized or (plan is not None and plan.keeps(name, grid))
+    if not wanted or kind not in readers or not is_quantizable(name):
         return None
     rows, cols = (int(n) for n in reversed(tensor.shape))
     raw = np.asarray(tensor.data).reshape(-1)
-    qt = (from_gguf_q4_1 if kind == "Q4_1" else from_gguf_q8_0)(raw, rows, cols)
+    qt = readers[kind](raw, rows, cols)
+    if plan is not None:
+        qt = as_mode(qt, plan.mode)
     heads = (arch.num_heads if name.endswith("attn.q.weight") else
              arch.num_kv_heads if name.endswith("attn.k.weight") else None)
     if heads is not None:                                  # permuting whole rows keeps every group intact

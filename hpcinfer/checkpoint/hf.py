@@ -17,6 +17,7 @@ import os
 
 from ..arch import ModelArch
 from ..errors import CheckpointError
+from ..quant.formats import DEFAULT_EMBEDDING, DEFAULT_GROUP
 from .format import DTYPES
 from .hf_families import FAMILIES, Config
 from .hf_tokenizer import tokenizer_files
@@ -27,9 +28,11 @@ SUPPORTED = ("gpt2", "opt", "gpt_neox", "llama", "mixtral", "bert", "roberta", "
 
 
 def convert_hf(folder: str, out: str, dtype: str = "float32", quantize: str = "none",
-               group_size: int = 64) -> ModelArch:
+               group_size: int | None = None, embedding: str = DEFAULT_EMBEDDING) -> ModelArch:
     """Convert the Hugging Face model in `folder` into the checkpoint `out` stored as `dtype` (matrices quantized
-    when quantize = "int8" | "int4" | "asym8", docs/quantization.md); return its arch."""
+    when quantize = "int8" | "int4" | "asym8", docs/quantization.md; group_size None: DEFAULT_GROUP, as float
+    weights have no block grid to follow; embedding: int4's embedding / LM head at 8 bits, or "same"); return its
+    arch."""
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
     folder = os.fspath(folder)
@@ -51,7 +54,8 @@ def convert_hf(folder: str, out: str, dtype: str = "float32", quantize: str = "n
     except ValueError as exc:
         raise CheckpointError(f"{config_path}: unsupported {model_type} configuration: {exc}") from None
     tokenizer = tokenizer_files(folder, bos, eos)
-    with WeightSource(folder) as src, CheckpointWriter(out, arch, dtype, quantize, group_size) as writer:
+    with WeightSource(folder) as src, CheckpointWriter(out, arch, dtype, quantize, group_size or DEFAULT_GROUP,
+                                                             embedding) as writer:
         for name, array in tensors_of(arch, config, src):
             writer.add(name, array)
         if tokenizer is not None:

@@ -11,8 +11,9 @@ import h5py
 
 from ..arch import ModelArch, tensor_shapes
 from ..errors import CheckpointError
-from ..quant.formats import DEFAULT_GROUP, LOAD_MODES, QuantError, quantize
-from ..quant.storage import QUANTIZATIONS, is_quantizable, is_row_parallel, write_quantized
+from ..quant.formats import DEFAULT_EMBEDDING, DEFAULT_GROUP, LOAD_MODES, QuantError, SourceGrid, quantize
+from ..quant.storage import (QUANTIZATIONS, LoadQuant, is_quantizable, is_row_parallel, write_quantized,
+                             write_source_grid)
 from .format import DTYPES, FORMAT_NAME, FORMAT_VERSION, to_storage
 from .integrity import seal
 
@@ -26,16 +27,17 @@ class CheckpointWriter:
     """
 
     def __init__(self, path: str, arch: ModelArch, dtype: str = "float32", quantize: str = "none",
-                 group_size: int = DEFAULT_GROUP):
-        """quantize: "int8" | "int4" | "asym8" stores every quantizable matrix (quant/storage.py) in that mode
-        (group_size: int4 / asym8) as `add` gets it; "gguf" marks a file whose matrices come quantized through
-        `add_quantized`."""
+                 group_size: int = DEFAULT_GROUP, embedding: str = DEFAULT_EMBEDDING):
+        """quantize: "int8" | "int4" | "asym8" stores every quantizable matrix (quant/storage.py) that `add` gets in
+        the mode quant.storage.tensor_mode gives it (group_size: int4 / asym8; embedding: int4's embedding and LM
+        head at 8 bits, or "same"); "gguf" marks a file whose matrices come quantized through `add_quantized`."""
         if dtype not in DTYPES:
             raise CheckpointError(f"--dtype {dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
         if quantize not in QUANTIZATIONS:
             raise CheckpointError(f"--quantize {quantize!r} is not allowed; choose one of {', '.join(QUANTIZATIONS)}")
         self.path, self.arch, self.dtype = path, arch, dtype
         self.quantize, self.group_size = quantize, group_size
+        self.plan = LoadQuant(quantize, group_size, embedding) if quantize in LOAD_MODES[1:] else None
         self.expected = tensor_shapes(arch)
         self.written: set[str] = set()
         self.tmp_path = f"{path}.tmp.{os.getpid()}"
@@ -52,7 +54,9 @@ class CheckpointWriter:
             self.file.attrs[key] = np.asarray(value, dtype=np.int64) if key == "eos_token_ids" else value
         return self
 
-    def add(self, name: str, array) -> None:
+    def add(self, name: str, array, grid: SourceGrid | None = None) -> None:
+        """Store a float tensor (quantized as the writer's setting says). grid: the block grid its values came on
+        (a GGUF block type), recorded on a float dataset so that quantizing it later follows the grid."""
         if name not in self.expected:
             raise CheckpointError(f"tensor '{name}' is not part of a {self.arch.family} checkpoint")
         array = np.asarray(array)
@@ -60,10 +64,10 @@ class CheckpointWriter:
             raise CheckpointError(f"tensor '{name}' has shape {tuple(array.shape)}, expected {self.expected[name]}")
         if name in self.written:
             raise CheckpointError(f"tensor '{name}' written twice")
-        if self.quantize != "none" and self.quantize in LOAD_MODES and is_quantizable(name):
+        if self.plan is not None and is_quantizable(name):
             compute = array.T if is_row_parallel(name) else array            # [out, in]
             try:
-                qt = quantize(compute, self.quantize, self.group_size)
+                qt = quantize(compute, *self.plan.tensor(name))
             except QuantError as exc:
                 raise CheckpointError(f"--quantize {self.quantize}: tensor '{name}': {exc}") from None
             self.add_quantized(name, qt)
@@ -71,6 +75,8 @@ class CheckpointWriter:
         ds = self.file.create_dataset(name, data=to_storage(array, self.dtype))
         if self.dtype == "bfloat16":
             ds.attrs["dtype"] = "bfloat16"
+        if grid is not None:
+            write_source_grid(ds, grid)
         self.written.add(name)
 
     def add_quantized(self, name: str, qt) -> None:

@@ -18,12 +18,21 @@ Packing (4 bits): two values per byte along the input dimension, LOW NIBBLE FIRS
 j + 16 in one byte; `from_gguf_q4_1` repacks to ours, keeping every value.)
 Scales and minimums are float32 [out, in / group_size] (GGUF's fp16 ones convert exactly).
 
+Source grids: weights that come block-quantized (a GGUF's Q4_0 / Q4_1 / Q8_0 ... tensors, or a checkpoint that
+keeps them) already sit on a grid of `block` consecutive input elements. Re-quantizing them in groups that straddle
+those blocks rounds every weight a second time onto a grid that does not match (SmolLM2's Q4_1 GGUF: int4 g64
+1.42x float32 perplexity, g32 1.00x on the layers), so a group size left unset follows the source (`grid_group`),
+a tensor already at the target's bits keeps its blocks (`keeps_blocks`), and a group that does not divide into the
+blocks is a warning (`off_grid_warning`).
+
 Shape legend: O=output rows, I=input columns, G=groups per row (I / group_size), g=group_size.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,7 +40,9 @@ F32 = np.float32
 MODES = ("int8", "int4", "asym8", "q4_1", "q8_0")
 LOAD_MODES = ("none", "int8", "int4", "asym8")               # what `[model] quantize` and `convert --quantize` take
 GROUPED_MODES = ("int4", "asym8")                             # load modes whose group size is configurable
-DEFAULT_GROUP = 64
+DEFAULT_GROUP = 64                                            # a group size left unset, on a source with no grid
+EMBEDDINGS = ("int8", "same")          # int4's token embedding / LM head: at 8 bits, or int4 like the other matrices
+DEFAULT_EMBEDDING = "int8"
 _SPEC = {"int8": (8, True), "int4": (4, False), "asym8": (8, False), "q4_1": (4, False), "q8_0": (8, True)}
 
 
@@ -91,6 +102,78 @@ def group_for(mode: str, in_size: int, group_size: int) -> int:
     if _SPEC[mode][0] == 4 and g % 2:
         raise QuantError(f"group size {g} must be even for 4-bit packing")
     return g
+
+
+class SourceGrid(NamedTuple):
+    """The block grid a tensor's values already sit on: `kind` (a GGUF type such as "Q4_1", or a stored mode such as
+    "q4_1"), the block length along the input dimension and the bits per value."""
+    kind: str
+    block: int
+    bits: int
+
+
+# GGUF block types -> (elements per block that share one scale / min, bits per value). K-quants: the sub-block.
+GGUF_GRIDS = {"Q4_0": (32, 4), "Q4_1": (32, 4), "Q5_0": (32, 5), "Q5_1": (32, 5), "Q8_0": (32, 8),
+              "Q2_K": (16, 2), "Q3_K": (16, 3), "Q4_K": (32, 4), "Q5_K": (32, 5), "Q6_K": (16, 6)}
+STORED_GRIDS = {"q4_1": (32, 4), "q8_0": (32, 8)}           # modes that keep a GGUF's blocks as they are
+
+# What re-rounding off the source's grid cost where we measured it (docs/quantization.md, perplexity table).
+OFF_GRID_COST = {"int4": "on SmolLM2's Q4_1 GGUF, int4 g64 gave 1.42x float32 perplexity where g32 gives 1.00x on "
+                         "the layers",
+                 "asym8": "at 8 bits the second rounding is small (SmolLM2's Q4_1 GGUF: asym8 g64 1.003x float32 "
+                          "perplexity)"}
+
+
+def gguf_grid(kind: str) -> SourceGrid | None:
+    """The grid of a GGUF tensor type (its name, e.g. "Q4_1"); None for float types."""
+    block_bits = GGUF_GRIDS.get(kind)
+    return None if block_bits is None else SourceGrid(kind, *block_bits)
+
+
+def grid_group(grids) -> int | None:
+    """The largest group on every grid in `grids` (SourceGrids): the gcd of their blocks; None when there is none."""
+    blocks = {g.block for g in grids}
+    return math.gcd(*blocks) if blocks else None
+
+
+def keeps_blocks(mode: str, grid: SourceGrid | None, group_size: int | None) -> bool:
+    """Whether a tensor on `grid` is kept as its blocks when quantized to `mode`: it already has the mode's bits, and
+    no other group was asked for (group_size None = not given; int8 has no group to ask for)."""
+    if grid is None or mode not in LOAD_MODES[1:]:
+        return False
+    return grid.bits == _SPEC[mode][0] and (group_size is None or mode == "int8" or group_size == grid.block)
+
+
+def off_grid_warning(mode: str, group_size: int, grids, setting: str) -> str | None:
+    """The warning for a group size (`setting` names where it was given) that does not divide into the source's
+    blocks, so that every weight is rounded a second time on a grid that does not match; None when it does."""
+    if mode not in GROUPED_MODES:
+        return None
+    off = sorted({f"{g.kind} blocks of {g.block}" for g in grids if g.block % group_size})
+    if not off:
+        return None
+    fit = grid_group(grids)
+    return (f"{setting} {group_size} does not divide into the source's {', '.join(off)}: {mode} rounds every weight "
+            f"a second time, on a grid that does not match ({OFF_GRID_COST[mode]}); leave the group size unset "
+            f"(it then follows the source) or use {fit} or a divisor of it")
+
+
+def grid_note(mode: str, group_size: int, grids) -> str:
+    """The log line for a group size left unset that follows the source's grid."""
+    kinds = ", ".join(sorted({g.kind for g in grids}))
+    return f"{mode} in groups of {group_size}, on the source's block grid ({kinds}; no group size given)"
+
+
+def kept_mode(stored: str, mode: str) -> str:
+    """The mode kept blocks of mode `stored` run as when `mode` is asked: a q4_1 tensor IS int4 in groups of 32
+    (x = scale * q + min, unsigned 4 bits, the same packing), so it runs as int4 (no value changes, and it fuses with
+    int4 parts); any other keeps its own mode."""
+    return "int4" if (stored, mode) == ("q4_1", "int4") else stored
+
+
+def as_mode(qt: QuantizedTensor, mode: str) -> QuantizedTensor:
+    """Kept blocks relabelled as kept_mode says (the same arrays)."""
+    return QuantizedTensor(kept_mode(qt.mode, mode), qt.q, qt.scale, qt.min, qt.group_size)
 
 
 def quantize(w: np.ndarray, mode: str, group_size: int = DEFAULT_GROUP,
@@ -212,6 +295,17 @@ def from_gguf_q4_1(raw: np.ndarray, rows: int, cols: int) -> QuantizedTensor:
     qs = blocks[:, 4:]
     values = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, cols)      # element order within a block
     return QuantizedTensor("q4_1", pack4(values), d, m, 32)
+
+
+def from_gguf_q4_0(raw: np.ndarray, rows: int, cols: int) -> QuantizedTensor:
+    """GGUF Q4_0 raw bytes (blocks of 18: fp16 d, 16 bytes of nibbles as in Q4_1, x = d * (q - 8)) -> int4
+    QuantizedTensor in groups of 32 with scale d and minimum -8 d: the same values (d * q and -8 d are exact in
+    float32, so is their sum)."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows * cols // 32, 18)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(F32).reshape(rows, cols // 32)
+    qs = blocks[:, 2:]
+    values = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, cols)
+    return QuantizedTensor("int4", pack4(values), d, (F32(-8) * d).astype(F32), 32)
 
 
 def from_gguf_q8_0(raw: np.ndarray, rows: int, cols: int) -> QuantizedTensor:

@@ -119,9 +119,10 @@ def test_quantized_layers_hold_no_float_copy_and_weight_bytes_counts_their_array
         float_attr, quant_attr = ("table", "qtable") if table else ("w", "qw")
         assert getattr(layer, float_attr) is None, (mode, name)
         qt = getattr(layer, quant_attr)
-        assert qt is not None and qt.mode == mode, (mode, name)
+        expected = "int8" if table else mode        # int4 keeps the embedding / LM head at 8 bits by default
+        assert qt is not None and qt.mode == expected, (mode, name)
         arrays = [qt.q, qt.scale] + ([] if qt.min is None else [qt.min])
-        assert (qt.min is None) == (mode == "int8")
+        assert (qt.min is None) == (expected == "int8")
         assert weight_bytes(layer) == sum(a.nbytes for a in arrays) == qt.nbytes, (mode, name)
     layer = model.blocks[0].mlp.down
     quantized = weight_bytes(layer)

@@ -249,8 +249,10 @@ def test_conflicting_quantize_setting(llama):
         with pytest.raises(ConfigError, match=r"quantize = 'int8' conflicts with .* already quantized as 'int4'"):
             storage.configure(ckpt, "int8")
         with pytest.raises(ConfigError, match=r"quantize_group = 64 conflicts with .* stored in groups of 16"):
-            storage.configure(ckpt, "int4")                                 # the default group, 64
+            storage.configure(ckpt, "int4", 64)
         storage.configure(ckpt, "int4", 16)
+        storage.configure(ckpt, "int4")                                     # unset (0 too): the stored groups
+        storage.configure(ckpt, "int4", 0)
         storage.configure(ckpt, "none", 64)                                 # "none": the stored groups as they are
     with open_checkpoint(llama["int8"]) as ckpt:
         storage.configure(ckpt, "int8", 64)                                 # int8: one group per row, any setting
@@ -275,7 +277,8 @@ def test_cli_convert_quantize(llama, tmp_path, capsys):
     folder = str(Path(llama["float32"]).parent / "hf")
     assert main(["convert", folder, str(tmp_path / "q.h5"), "--quantize", "int4", "--group-size", "32"]) == 0
     with open_checkpoint(str(tmp_path / "q.h5")) as ckpt:
-        assert ckpt.quantization == "int4" and ckpt.file["embed.tokens.q"].attrs["group_size"] == 32
+        assert ckpt.quantization == "int4" and ckpt.file["layers.0.mlp.up.weight.q"].attrs["group_size"] == 32
+        assert ckpt.file["embed.tokens.q"].attrs["mode"] == "int8"           # --quantize-embedding int8, the default
     assert main(["inspect", str(tmp_path / "q.h5")]) == 0
     assert "quantization int4" in capsys.readouterr().out
 

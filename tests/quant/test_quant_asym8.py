@@ -165,8 +165,9 @@ def test_conflicting_quantize_setting(llama):
                 storage.configure(ckpt, other, 16)
         with pytest.raises(ConfigError, match=r"quantize_group = 64 conflicts with .* asym8 weights are stored in "
                                               r"groups of 16"):
-            storage.configure(ckpt, "asym8")                                  # the default group, 64
+            storage.configure(ckpt, "asym8", 64)
         storage.configure(ckpt, "asym8", 16)
+        storage.configure(ckpt, "asym8")                                      # unset: the stored groups
         storage.configure(ckpt, "none", 64)
     with open_checkpoint(llama["int4"]) as ckpt:
         with pytest.raises(ConfigError, match=r"quantize = 'asym8' conflicts with .* already quantized as 'int4'"):
