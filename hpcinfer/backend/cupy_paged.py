@@ -12,6 +12,11 @@ paged_kv_append (or CuPy's scatter), then each sequence's cached blocks gathered
 [S, Hkv, L, hd] and the dense cache's own path run on it (cupy_attention.attention: prefill_attention.cu, or its
 plain-CuPy fallbacks, chosen as it chooses), so a paged step gives the dense step's numbers.
 
+Under a CUDA graph (generate/graphs.PagedDecodeGraphs) a decode step is a PagedDeviceStep (cupy_graphs.py): the
+kernel reads its tables, of a fixed width, and lengths from its device buffers, and the split count comes from its
+KV bucket, not the longest length, so the captured grid holds at every replay. A PagedDeviceStep the decode kernel
+does not take runs the fallback on its host values (uploaded: a capture of it fails, and the key runs eagerly).
+
 Shape legend: T=tokens, S=sequences, H=query heads, Hkv=KV heads, g=H/Hkv, hd=head dim, bs=block size,
 B=blocks in the widest table, L=positions of the longest sequence after the step.
 """
@@ -22,6 +27,7 @@ import numpy as np
 
 from . import cupy_attention, cupy_kv
 from .cupy_decode import DECODE, launch_decode
+from .cupy_graphs import PagedDeviceStep, decode_lengths as lengths_of
 from .interface import StepLayout
 from .paged_attention import needs_dense_kv, step_memo, through_dense
 
@@ -44,6 +50,7 @@ def attention(ops, q, k, v, pool_k, pool_v, step: StepLayout, scale: float, topk
         kernels = _decode_kernels(ops, q, k, v, pool_k)
         if kernels is not None:
             return decode_attention(ops, *kernels, q, k, v, pool_k, pool_v, step, scale)
+    step = on_host(step)
     append(ops, pool_k, pool_v, uploaded(ops, step, "slots", step.flat_slots), k, v)
     return _dense(ops, q, k, v, pool_k, pool_v, step, scale)
 
@@ -77,23 +84,42 @@ def _decode_kernels(ops, q, k, v, pool_k):
 
 def decode_attention(ops, single, split, q, k, v, pool_k, pool_v, step: StepLayout, scale: float):
     """One new token per sequence: q [S, H, hd], k, v [S, Hkv, hd] -> [S, H*hd], the rows appended by the kernel.
-    The tables [S, B] and the lengths starts + 1 [S] go down as int32 (BlockTables' padding -1 stays: the kernel
-    reads no entry past a length); one pass or flash-decoding as launch_decode picks for the longest length."""
+    The tables [S, B] and the lengths starts + 1 [S] as int32 on the device (decode_tables); one pass or
+    flash-decoding as launch_decode picks for the positions read (the longest length, or a graph's KV bucket)."""
     S, heads, hd = q.shape
     kv_heads, bs = pool_k.shape[1], pool_k.shape[2]
-    tables = uploaded(ops, step, "tables", lambda: np.ascontiguousarray(step.tables, dtype=np.int32))   # [S, B]
-    lengths = uploaded(ops, step, "lengths", lambda: decode_lengths(step))                               # [S]
+    tables, lengths, positions = decode_tables(ops, step)
     (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
-    return launch_decode(ops, single, split, (S, heads, kv_heads, hd), int(step.starts.max()) + 1, lambda out, ldo: (
+    return launch_decode(ops, single, split, (S, heads, kv_heads, hd), positions, lambda out, ldo: (
         q, k, v, pool_k, pool_v, tables, lengths, out, _i32(heads), _i32(kv_heads), _i32(hd), _i32(bs),
         _i32(tables.shape[1]), _i64(ldq), _i64(ldk), _i64(ldv), *ldo, _f32c(scale)))
+
+
+def decode_tables(ops, step: StepLayout):
+    """(tables [S, B] int32, lengths [S] int32 on the device, positions read): a PagedDeviceStep's own buffers and
+    KV bucket (reads no host value: graph-capturable), or the host layout's uploaded once per step with the
+    longest length (BlockTables' padding -1 stays: the kernel reads no entry past a length)."""
+    if isinstance(step, PagedDeviceStep):
+        return step.tables_d, step.lengths_d, step.kv_len
+    tables = uploaded(ops, step, "tables", lambda: np.ascontiguousarray(step.tables, dtype=np.int32))   # [S, B]
+    lengths = uploaded(ops, step, "lengths", lambda: decode_lengths(step))                               # [S]
+    return tables, lengths, int(step.starts.max()) + 1
 
 
 def decode_lengths(step: StepLayout):
     """[S] int32: the positions each decode token attends, start + 1 (its own row the last); flat_slots first
     raises if a new row has no block in its table (the kernel would write through a -1)."""
     step.flat_slots()
-    return (step.starts + 1).astype(np.int32)
+    return lengths_of(step)
+
+
+def on_host(step: StepLayout) -> StepLayout:
+    """The host layout of a step for the paths that upload it: a PagedDeviceStep's host values as a new
+    StepLayout (a fresh per-step memo, so its uploads are made, not taken from an earlier call: under a capture
+    they fail, and the key runs eagerly, rather than baking one step's values into a graph); others as they are."""
+    if isinstance(step, PagedDeviceStep):
+        return StepLayout.paged(step.tables, step.block_size, step.starts, step.counts)
+    return step
 
 
 def _dense(ops, q, k, v, pool_k, pool_v, step: StepLayout, scale: float):

@@ -13,6 +13,15 @@ run, zeroing the cache in place between batches, so that a run captures each (mi
 not once per batch; a batch the cache cannot hold (more sequences, longer ones) replaces both. With a KV offload
 threshold a batch keeps its own cache and graphs, as before.
 
+The continuous schedule's decode steps over a paged KV cache (generate/paged_cache.PagedKVCache) run through
+`PagedDecodeGraphs` (`paged_decode_graphs`): a decode step of S sequences is padded to batch_bucket(S) rows (the
+next power of two: cupy_graphs.batch_bucket says why), each padding row feeding token 0 at position 0 of the
+cache's spare block (a block past the pool's, never in a table: its K and V land there and nothing reads them), and
+its block tables, lengths and positions go into the graph's device buffers (a PagedDeviceStep: tables as wide as
+the KV bucket's blocks), so the graph is keyed by (padded rows, KV bucket) and replays for any running set of that
+size; the padding rows' outputs are dropped. Prefill and mixed steps, and empty ones, stay eager. The pool lives as
+long as the run (replica.continuous_share makes one per run), and so do its graphs.
+
 What a captured step cannot hold is stated here, in the three checks at the end, each run where its facts are
 known (every rank, before any weight is read): `check_config` when the config is read (config.py), `check_model`
 once the checkpoint is open (MoE layers; job.py), `check_comm` once `comm = "auto"` is resolved (a tp group over
@@ -23,7 +32,10 @@ from __future__ import annotations
 
 import logging
 
-from ..backend.cupy_graphs import DecodeGraph
+import numpy as np
+
+from ..backend.cupy_graphs import DecodeGraph, batch_bucket
+from ..backend.interface import StepLayout
 from ..errors import ConfigError
 
 log = logging.getLogger("hpcinfer")
@@ -41,6 +53,7 @@ class DecodeGraphs:
         self.graph = DecodeGraph(model.ops, SMALLEST_BUCKET)
         self.kept = kept                                  # True: RunGraphs keeps it across batches (closes it)
         self.steps = 0                                    # decode steps run through here (replayed or eager)
+        self.recorded = (0, 0, 0)                         # (captures, replays, eager steps) at the last `record`
 
     def applies(self, step) -> bool:
         """A decode step with at least one sequence, over layers whose KV stays on the device."""
@@ -65,6 +78,15 @@ class DecodeGraphs:
     def eager_steps(self) -> int:
         """Decode steps of keys that cannot be captured (they called cuBLAS), run eagerly so far."""
         return self.graph.eager_steps
+
+    def record(self, times) -> None:
+        """Add the captures, replays and eager steps since the last call to a StepTimes (graph_captures,
+        graph_replays, graph_eager_steps: the metrics' cuda_graphs section)."""
+        now = (self.captures, self.replays, self.eager_steps)
+        times.graph_captures += now[0] - self.recorded[0]
+        times.graph_replays += now[1] - self.recorded[1]
+        times.graph_eager_steps += now[2] - self.recorded[2]
+        self.recorded = now
 
     def fits(self, model, slots: int, max_len: int) -> bool:
         """Whether a batch of `slots` sequences, none longer than `max_len`, can run on this cache."""
@@ -108,11 +130,56 @@ class RunGraphs:
             self.graphs = None
 
 
+class PagedDecodeGraphs(DecodeGraphs):
+    """The captured decode steps of the continuous schedule over one paged KV cache on one stage, keyed by (padded
+    rows, KV bucket): `applies(layout)` says which steps, `__call__(layout, inputs)` runs one (as DecodeGraphs, for
+    generate/runner.Runner.step) -> the stage's output for the step's S real rows (logits [S, V] on the last stage,
+    activations [S, D] before it: a view of the graph's static buffer, read before the next step)."""
+
+    def applies(self, step) -> bool:
+        """A paged decode step with at least one sequence (the pool is on the device)."""
+        return step.is_paged and step.is_decode and step.num_seqs > 0
+
+    def __call__(self, step, inputs: dict):
+        self.steps += 1
+        step.flat_slots()                       # a new token without a block is an error, as on the eager path
+        rows = batch_bucket(step.num_seqs)
+        padded = pad_step(step, rows, self.cache.spare_block)
+        out = self.graph.run(lambda static, device_step: self.forward(self.cache, static, device_step),
+                             {name: pad_rows(self.model.ops, value, rows) for name, value in inputs.items()},
+                             padded, eager=(inputs, step))
+        return out[:step.num_seqs]
+
+    def fits(self, model, slots: int, max_len: int) -> bool:
+        return False                            # a run's paged graphs are made with its pool, never reused
+
+
+def pad_step(step: StepLayout, rows: int, spare_block: int) -> StepLayout:
+    """A paged decode step of S sequences as one of `rows` >= S: each padding row writes its one new position
+    (start 0) into `spare_block` (its table [spare, -1, ...]) and attends to that position alone."""
+    S, width = step.tables.shape
+    tables = np.full((rows, max(width, 1)), -1, dtype=np.int32)                    # [rows, B]
+    tables[:S, :width] = step.tables
+    tables[S:, 0] = spare_block
+    starts = np.concatenate([step.starts, np.zeros(rows - S, dtype=np.int64)])
+    return StepLayout.paged(tables, step.block_size, starts, np.ones(rows, dtype=np.int64))
+
+
+def pad_rows(ops, value, rows: int):
+    """A step input ([S] token ids, or [S, D] activations; host or device) with zero rows up to `rows` (padding
+    rows feed token 0)."""
+    xp = ops.xp if isinstance(value, ops.xp.ndarray) else np
+    pad = xp.zeros((rows - value.shape[0], *value.shape[1:]), dtype=value.dtype)
+    return xp.concatenate([value, pad])
+
+
 def paged_decode_graphs(runner, cache, cuda_graphs: bool):
-    """The continuous schedule's captured decode steps over a paged cache (generate/paged_cache.PagedKVCache), or
-    None: every paged step runs eagerly (continuous.unsupported refuses `[runtime] cuda_graphs` until they are
-    captured)."""
-    return None
+    """The continuous schedule's captured decode steps over a paged cache (generate/paged_cache.PagedKVCache), when
+    `[runtime] cuda_graphs` is on and the backend is cupy; else None (every paged step runs eagerly). The schedule
+    adds its counters to the run's StepTimes (PagedDecodeGraphs.record) and closes it when the run ends."""
+    if not cuda_graphs or runner.model.ops.name != "cupy":
+        return None
+    return PagedDecodeGraphs(runner.model, cache, runner.forward)
 
 
 def batch_cache(model, schedule, run_graphs: RunGraphs, slots: int, max_len: int, make_cache) -> tuple:
