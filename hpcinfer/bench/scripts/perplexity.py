@@ -26,6 +26,10 @@ Modes:
   int4-g32         the same, group_size=32 (the groups of the Q4_1 weights it re-quantizes)
   asym8-g64        the same file, load_model(..., quantize="asym8", group_size=64)  (group-wise asymmetric 8-bit)
   q4_1-kept        models/SmolLM2-135M-Instruct.Q4_1.gguf converted with `convert --keep-quantized` into a temp file
+  int4-default     the GGUF converted with `convert --quantize int4` and no other flag (issue 22's defaults: groups on
+                   the source's grid of 32, Q4_1 blocks kept as int4 g32, the Q8_0 embedding / LM head kept at 8 bits)
+  int4-embed4      the same with `--quantize-embedding same` (the embedding / LM head int4 g32 too)
+  int8-default     the GGUF converted with `convert --quantize int8` (int8 per row; the Q8_0 embedding kept)
   W-layers         weight mode W (int8, int4-g64, int4-g32, asym8-g64) on the decoder layers' matrices only: the
                    tied embedding / LM head stays float32 (where W's loss comes from, attributed by a run)
   W-embed          W on the tied embedding / LM head only: the layers' matrices stay float32
@@ -80,7 +84,8 @@ GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOPIC_KEYS = ("execmodel", "naming", "exceptions", "assignment", "import", "compound", "class", "function", "try",
               "types", "numbers", "attribute-access")
 
-TARGETS = {"int8": 0.01, "asym8-g64": 0.01, "int4-g64": 0.10, "int4-g32": 0.10, "q4_1-kept": 0.10, "kv-int4": 0.10,
+TARGETS = {"int8": 0.01, "int8-default": 0.01, "int4-default": 0.10, "int4-embed4": 0.10,
+           "int4-default+kv-int4": 0.10, "asym8-g64": 0.01, "int4-g64": 0.10, "int4-g32": 0.10, "q4_1-kept": 0.10, "kv-int4": 0.10,
            "int4-g64+kv-int4": 0.10, "int4-g32+kv-int4": 0.10,
            "kv-int4-g32": 0.10, "kv-int4-g16": 0.10, "int4-g32+kv-int4-g16": 0.10}   # allowed relative increase over float32
 DEFAULT_MODES = ("float32,int8,asym8-g64,int4-g64,int4-g32,q4_1-kept,float32-decode,kv-int4,kv-int4-g32,"
@@ -166,6 +171,15 @@ WEIGHTS = {"float32": ("float32 (smollm2.h5)", {}), "int8": ("int8 per-row, quan
            "int4-g32": ("int4 g32, quantized at load", {"quantize": "int4", "group_size": 32}),
            "asym8-g64": ("asym8 g64, quantized at load", {"quantize": "asym8", "group_size": 64}),
            "q4_1": ("GGUF Q4_1 kept (g32)", None)}
+CONVERTED = {"q4_1": ("smollm2-q4_1-kept.h5", ["--keep-quantized"]),           # weight mode -> file, convert flags
+             "int4-default": ("smollm2-int4.h5", ["--quantize", "int4"]),
+             "int4-embed4": ("smollm2-int4-embed4.h5", ["--quantize", "int4", "--quantize-embedding", "same"]),
+             "int8-default": ("smollm2-int8.h5", ["--quantize", "int8"])}
+WEIGHTS.update({"int4-default": ("convert --quantize int4 (defaults): int4 g32 on the Q4_1 grid (blocks kept), "
+                                 "embedding / LM head Q8_0 kept", None),
+                "int4-embed4": ("convert --quantize int4 --quantize-embedding same: int4 g32, embedding int4 g32 "
+                                "too", None),
+                "int8-default": ("convert --quantize int8 (defaults): int8 per row, embedding Q8_0 kept", None)})
 ATTENTION = {"": ("float32", None, 0.0, 64), "decode": ("float32", None, 0.0, 64),
              "kv-int4": ("int4 g64", "int4", 0.0, 64), "kv-int8": ("int8 g64", "int8", 0.0, 64),
              "kv-int4-g32": ("int4 g32", "int4", 0.0, 32), "kv-int4-g16": ("int4 g16", "int4", 0.0, 16)}
@@ -198,7 +212,7 @@ def load_mode(mode: str, tmp: str):
     label, kwargs = WEIGHTS[base]
     extra = {}
     if kwargs is None:
-        model = load_model(str(convert_keep_quantized(tmp)))
+        model = load_model(str(convert_source(tmp, *CONVERTED[base])))
     elif part:
         model = load_model(str(H5))
         extra = quantize_after_load(model, kwargs["quantize"], kwargs.get("group_size", 64), part)
@@ -292,11 +306,12 @@ def search_quantize(w: np.ndarray, mode: str, group: int, chunk_rows: int = 2048
     return qt, err_minmax, err_search
 
 
-def convert_keep_quantized(tmpdir: str) -> Path:
-    out = Path(tmpdir) / "smollm2-q4_1-kept.h5"
+def convert_source(tmpdir: str, name: str, flags: list) -> Path:
+    """The GGUF converted with `flags` into tmpdir/name (once per run)."""
+    out = Path(tmpdir) / name
     if out.exists():
         return out
-    cmd = [sys.executable, "-m", "hpcinfer", "convert", str(GGUF), str(out), "--keep-quantized"]
+    cmd = [sys.executable, "-m", "hpcinfer", "convert", str(GGUF), str(out), *flags]
     log("converting: " + " ".join(cmd[1:]))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
