@@ -176,7 +176,7 @@ def generate_share(runner: Runner, job: Job, mesh, link, end_round=None) -> tupl
     times, results = StepTimes(), []
     times.batching = batching_mode(job.config)
     if times.batching == "continuous":
-        results = continuous_share(runner, job, mesh, times, end_round, lockstep)
+        results = continuous_share(runner, job, mesh, times, end_round, lockstep, link)
         todo = []
     for batch in _rounds(todo, dp, dp_index, lockstep is not None):
         round_results = []

@@ -170,16 +170,16 @@ def batching_summary(batch_size: int, firsts: list, lasts: list) -> dict:
     KV pool (continuous), preemptions, time to first token and mean time between tokens per sequence (p50, p90,
     p99), and the replicas' busy time (imbalance = max / mean)."""
     steps = sum(t.occupancy_steps for t in firsts)
-    blocks = max((t.kv_blocks_total for t in lasts), default=0)
-    samples = sum(t.kv_block_samples for t in lasts)
+    blocks = max((t.kv_blocks_total for t in firsts), default=0)          # (the first stage decides)
+    samples = sum(t.kv_block_samples for t in firsts)
     busy = [t.busy_s for t in firsts]
     return {
         "mode": lasts[0].batching if lasts else None,
         "occupancy": sum(t.occupancy_running for t in firsts) / (steps * batch_size) if steps else None,
         "kv_pool_blocks": blocks,
-        "kv_pool_peak_fraction": max(t.kv_blocks_peak for t in lasts) / blocks if blocks else None,
-        "kv_pool_mean_fraction": sum(t.kv_blocks_sum for t in lasts) / samples / blocks if blocks else None,
-        "preemptions": sum(t.preemptions for t in lasts),
+        "kv_pool_peak_fraction": max(t.kv_blocks_peak for t in firsts) / blocks if blocks else None,
+        "kv_pool_mean_fraction": sum(t.kv_blocks_sum for t in firsts) / samples / blocks if blocks else None,
+        "preemptions": sum(t.preemptions for t in firsts),
         "time_to_first_token_s": _percentiles([x for t in lasts for x in t.ttft_s]),
         "token_latency_s": _percentiles([x for t in lasts for x in t.token_latency_s]),
         "replica_busy_s": busy,
@@ -195,7 +195,7 @@ def summarize(config, arch, mesh, reports: list, load_s: float, total_s: float, 
     prompt_tokens = sum(t.prompt_tokens for t in lasts)
     generated = sum(t.generated_tokens for t in lasts)
     generate_s = max(r.generate_s for r in reports)
-    prefill_s = max((t.prefill_s for t in lasts), default=0.0)
+    prefill_s = max((t.prefill_s for t in firsts + lasts), default=0.0)   # (continuous: the first stage's steps)
     weight_bytes, scratch_bytes = weight_bytes_per_rank(config, arch, mesh, reports)
     median_step = float(np.median(decode)) if decode.size else float("nan")
     stages = _stage_rows(reports, P)

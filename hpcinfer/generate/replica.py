@@ -18,37 +18,62 @@ from .runner import Runner
 from .schedules.continuous import ContinuousParams, balanced_shares, run_continuous
 
 
-def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None, lockstep=None) -> list:
+def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None, lockstep=None, link=None) -> list:
     """This replica's share of the prompts not yet done (balanced by predicted positions over the dp replicas),
     batched continuously over a paged KV cache (generate/schedules/continuous.py). Results are committed at as many
     points as the static schedule has rounds (the same on every replica: end_round is a world collective): the
     k-th when this replica has finished k/K of its share (with lockstep, the MoE replicas stepping together: when
     every replica has). Without end_round they are returned. With lockstep, as in the static schedule, batch_size
-    is the sequences of all the replicas together: each runs batch_size / dp."""
+    is the sequences of all the replicas together: each runs batch_size / dp. With pp > 1 (`link`) the first stage
+    decides and the commit points travel down the pipeline (schedules/continuous_stages.py); the results are the
+    last stage's."""
     config, model, g = job.config, runner.model, job.config.generate
     running = max(1, g.batch_size // mesh.shape.dp) if lockstep is not None else g.batch_size
     todo = [i for i in range(len(job.prompts)) if i not in job.skip]
     _, dp_index, _ = mesh.coords
     capacity = [min(len(job.prompts[i].tokens) + g.max_new_tokens, model.arch.max_positions) for i in todo]
     mine = [todo[k] for k in balanced_shares(capacity, mesh.shape.dp)[dp_index]]
-    sch = config.schedule
-    per_block = block_bytes(model.num_local_layers, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
-    longest = max((min(len(job.prompts[i].tokens) + g.max_new_tokens, model.arch.max_positions) for i in mine),
-                  default=1)
-    nbytes = sch.kv_memory_bytes(lambda: free_bytes(model.ops, mesh.ranks_per_node))
-    cache = PagedKVCache(model.ops, model.num_local_layers,
-                         max(1, pool_blocks(nbytes, per_block, running, longest, sch.kv_block_size)),
-                         model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
+    cache = _paged_cache(model, config, mesh, running, max((capacity[todo.index(i)] for i in mine), default=1))
     per_round = g.batch_size if lockstep is not None else mesh.shape.dp * g.batch_size
     points = max(1, -(-len(todo) // per_round))                                # the static schedule's rounds
-    commits = CommitPoints(mine, points, end_round, lockstep)
-    run_continuous(runner, [job.prompts[i].tokens for i in mine], mine, times,
-                   ContinuousParams(running, sch.step_tokens(running)), cache, commits.after_step,
-                   lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} of {g.prompts})", lockstep,
-                   paged_decode_graphs(runner, cache, config.runtime.cuda_graphs))
-    commits.finish()
+    commits = CommitPoints(mine, points, _announced(end_round, link), lockstep)
+    sch = config.schedule
+    micro_batches = (sch.gen_micro_batches or mesh.shape.pp) if link is not None else 1
+    params = ContinuousParams(running, sch.step_tokens(running), min(micro_batches, running))
+    served = run_continuous(runner, [job.prompts[i].tokens for i in mine], mine, times, params, cache,
+                            commits.after_step, lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} of "
+                            f"{g.prompts})", lockstep, paged_decode_graphs(runner, cache, config.runtime.cuda_graphs),
+                            link, end_round)
+    if model.stage.is_first:
+        commits.finish()
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.nbytes)     # the pool, allocated whole
-    return commits.results
+    return commits.results + served
+
+
+def _paged_cache(model, config, mesh, running: int, longest: int) -> PagedKVCache:
+    """This rank's KV pool: `[schedule] kv_cache_memory` over the bytes of a block of its layers, or running
+    sequences at their longest; with pp > 1 every stage takes the smallest stage's block count (the first stage's
+    block tables index every stage's pool)."""
+    sch = config.schedule
+    per_block = block_bytes(model.num_local_layers, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
+    nbytes = sch.kv_memory_bytes(lambda: free_bytes(model.ops, mesh.ranks_per_node))
+    blocks = max(1, pool_blocks(nbytes, per_block, running, longest, sch.kv_block_size))
+    if mesh.shape.pp > 1:
+        blocks = int(mesh.pp.all_gather(np.array([blocks], dtype=np.int64)).min())
+    return PagedKVCache(model.ops, model.num_local_layers, blocks, model.kv_heads_local, sch.kv_block_size,
+                        model.arch.head_dim)
+
+
+def _announced(end_round, link):
+    """end_round as the first stage calls it: with pp > 1 the commit point goes down the pipeline first, so the
+    later stages enter end_round's collectives after the same steps."""
+    if end_round is None or link is None:
+        return end_round
+
+    def announced(results: list) -> bool:
+        link.send_to_next_stage({"commit": True})
+        return end_round(results)
+    return announced
 
 
 class CommitPoints:

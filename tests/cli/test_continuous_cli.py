@@ -45,7 +45,10 @@ def static_file(job, run_cli, tmp_path_factory):
     (1, ['schedule.kv_cache_memory="120KB"', "schedule.kv_block_size=4", "schedule.max_batch_tokens=5"]),
     (2, []),
     (2, ["parallel.tp=2"]),
-], ids=["alone", "preempting-chunked", "dp2", "tp2"])
+    (2, ["parallel.pp=2"]),
+    (2, ["parallel.pp=2", 'schedule.kv_cache_memory="60KB"', "schedule.kv_block_size=4", "schedule.max_batch_tokens=5"]),
+    (4, ["parallel.pp=2", "schedule.gen_micro_batches=3"]),
+], ids=["alone", "preempting-chunked", "dp2", "tp2", "pp2", "pp2-preempting-chunked", "pp2-dp2"])
 def test_continuous_writes_the_static_file(job, run_cli, static_file, tmp_path, n, overrides):
     out = tmp_path / "out.jsonl"
     done = run(run_cli, job, out, *overrides, n=n)
@@ -54,40 +57,41 @@ def test_continuous_writes_the_static_file(job, run_cli, static_file, tmp_path, 
     batching = json.loads(out.with_name("out.jsonl.metrics").read_text())["batching"]
     assert batching["mode"] == "continuous" and batching["kv_pool_blocks"] > 0
     assert batching["time_to_first_token_s"]["p99"] >= batching["time_to_first_token_s"]["p50"] > 0
-    dp = 2 if n == 2 and not overrides else 1
+    dp = n // (2 if any(o in ("parallel.tp=2", "parallel.pp=2") for o in overrides) else 1)
     assert len(batching["replica_busy_s"]) == dp and batching["replica_imbalance"] >= 1.0
-    if overrides and "kv_cache_memory" in overrides[0]:
+    if any("kv_cache_memory" in o for o in overrides):
         assert batching["preemptions"] > 0 and batching["kv_pool_peak_fraction"] == 1.0
     else:
         assert batching["preemptions"] == 0
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (['schedule.batching="continuous"', "parallel.pp=2"], "pipeline parallelism (pp = 2)"),
+    (['schedule.batching="continuous"', 'offload.schedule="zigzag"'], "[offload] runs fixed blocks by design"),
     (['schedule.batching="continuous"', "generate.attention_topk=0.5"], "attention_topk"),
     (['schedule.kv_cache_memory="150%"'], "schedule.kv_cache_memory = '150%' must be a percentage in (0, 100]"),
     (["schedule.max_batch_tokens=2"], "schedule.max_batch_tokens = 2 is below [generate] batch_size = 3"),
     (['schedule.batching="eager"'], "schedule.batching = 'eager' is not allowed; choose one of auto, continuous, "),
     (['schedule.kv_cache_memory="10KB"', "schedule.kv_block_size=4"], "prompt 'q0' (line 1 of "),
-], ids=["pp2", "topk", "percent", "tokens", "choice", "too-small"])
+], ids=["offload", "topk", "percent", "tokens", "choice", "too-small"])
 def test_unsupported_or_bad_values_are_one_clear_error(job, run_cli, tmp_path, overrides, message):
     out = tmp_path / "out.jsonl"
-    done = run(run_cli, job, out, *overrides, n=2 if "parallel.pp=2" in overrides else 1)
+    done = run(run_cli, job, out, *overrides)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert not out.exists()
 
 
-def test_moe_replicas_stepping_together_write_the_static_file(job, run_cli, tmp_path):
+@pytest.mark.parametrize("n, overrides", [(2, []), (4, ["parallel.pp=2"])], ids=["dp2", "pp2-dp2"])
+def test_moe_replicas_stepping_together_write_the_static_file(job, run_cli, tmp_path, n, overrides):
     """tiny-moe at dp = 2: the replicas exchange tokens in every MoE layer, so they step together (a replica out of
-    work runs empty steps) and commit at agreed points; the file equals the static schedule's. The expert capacity
-    is lifted (capacity_factor 64): with a binding capacity, which tokens an expert drops depends on which tokens
-    share a step, in either schedule (docs/scheduling.md)."""
+    work runs empty steps) and commit at agreed points; the file equals the static schedule's, also through a
+    pipeline of two stages. The expert capacity is lifted (capacity_factor 64): with a binding capacity, which
+    tokens an expert drops depends on which tokens share a step, in either schedule (docs/scheduling.md)."""
     files = {}
     for mode in ("static", "continuous"):
         out = tmp_path / f"{mode}.jsonl"
         done = run(run_cli, job, out, 'model.preset="tiny-moe"', "parallel.ep=2", "moe.capacity_factor=64",
-                   f'schedule.batching="{mode}"', n=2)
+                   f'schedule.batching="{mode}"', *overrides, n=n)
         assert done.returncode == 0, done.stderr
         files[mode] = out.read_bytes()
         batching = json.loads(out.with_name(f"{mode}.jsonl.metrics").read_text())["batching"]

@@ -40,7 +40,8 @@ def static(model, ps, params):
     return generate_batch(model, ps, list(range(len(ps))), params, StepTimes())
 
 
-def continuous(model, ps, params, batch_size=3, step_tokens=7, blocks=None, block_size=4, order=None):
+def continuous(model, ps, params, batch_size=3, step_tokens=7, blocks=None, block_size=4, order=None,
+               micro_batches=1):
     """[(tokens, reason)] in prompt order, and the StepTimes of the run."""
     order = list(range(len(ps))) if order is None else order
     runner, times, out = Runner(model, params), StepTimes(), {}
@@ -52,8 +53,8 @@ def continuous(model, ps, params, batch_size=3, step_tokens=7, blocks=None, bloc
         out.update({s.index: (s.generated, s.finish_reason) for s in finished})
         return False
 
-    run_continuous(runner, [ps[i] for i in order], order, times, ContinuousParams(batch_size, step_tokens), cache,
-                   after_step)
+    run_continuous(runner, [ps[i] for i in order], order, times,
+                   ContinuousParams(batch_size, step_tokens, micro_batches), cache, after_step)
     assert cache.pool.free_blocks == cache.pool.num_blocks                      # every block given back
     return [out[i] for i in range(len(ps))], times
 
@@ -97,12 +98,15 @@ def test_admission_order_and_chunk_size_do_not_change_tokens(eos_model):
     assert got == want
 
 
-def test_preemption_keeps_every_token(eos_model):
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_preemption_keeps_every_token(eos_model, micro_batches):
+    """Also with several steps in flight (a pipeline's micro-batches; here on one stage, each step's tokens are
+    taken back in launch order): a step plans only the sequences no step in flight holds, and preempts only those."""
     ps, params = prompts(), GenerationParams(12, SamplingParams(temperature=0.7), seed=2)
     want = static(eos_model, ps, params)
     longest = max(len(p) + 12 for p in ps)
     got, times = continuous(eos_model, ps, params, batch_size=4, step_tokens=16, block_size=4,
-                            blocks=-(-longest // 4) + 2)                   # one long sequence and a little more
+                            blocks=-(-longest // 4) + 2, micro_batches=micro_batches)
     assert times.preemptions > 0
     assert got == want
     assert 0 < times.kv_blocks_peak <= times.kv_blocks_total

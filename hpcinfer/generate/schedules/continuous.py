@@ -10,6 +10,13 @@ most recently admitted running sequence is preempted: its blocks are freed and i
 queue, to be prefilled again (prompt + what it generated) when it re-enters; its sampled tokens and its generator
 are kept, so preemption never changes a token.
 
+With pp > 1 the scheduler runs on the first stage and up to `micro_batches` steps ([schedule] gen_micro_batches,
+default pp) are in flight down the pipeline at once, each over running sequences no other step in flight holds
+(about batch_size / micro_batches of them): micro-batches are formed from the running set at every step, so
+finished sequences leave and new ones enter without draining the pipeline. A step's header (ids, starts, counts,
+block tables, rows to sample) travels with its activations; the last stage samples and returns the tokens
+(continuous_stages.py). Preemption takes only sequences no step in flight holds.
+
 Every tp rank of a replica runs this loop with the same inputs and the same sampled tokens (Runner.sample
 broadcasts them), so all of them take the same decisions. MoE replicas exchange tokens in every MoE layer
 (`lockstep`, the dp group): each runs its own running set, but all of them step together, a replica with nothing
@@ -28,18 +35,29 @@ from ...errors import ConfigError
 from ..engine import Sequence, StepTimes
 from ..paged_cache import PagedKVCache, supports as paged_supports
 from ..runner import Runner
+from .continuous_stages import FirstStage, LocalStage, StageStep, serve
 
 
 @dataclass(frozen=True)
 class ContinuousParams:
     batch_size: int          # running sequences at most ([generate] batch_size)
     max_batch_tokens: int    # tokens per step ([schedule] max_batch_tokens, >= batch_size)
+    micro_batches: int = 1   # steps in flight at once: pp > 1 keeps every stage busy ([schedule] gen_micro_batches)
+
+    @property
+    def step_sequences(self) -> int:
+        """Sequences a step takes at most: the running set shared over the steps in flight."""
+        return -(-self.batch_size // self.micro_batches)
+
+    @property
+    def step_tokens(self) -> int:
+        return max(self.max_batch_tokens // self.micro_batches, self.step_sequences)
 
 
 @dataclass
 class _Running:
     seq: Sequence
-    computed: int = 0        # positions of prompt + generated whose K and V are in the pool
+    computed: int = 0        # positions of prompt + generated whose K and V are in the pool (or on their way)
 
     @property
     def tokens(self) -> list:
@@ -51,37 +69,51 @@ class _Running:
         return self.seq.length - self.computed
 
 
-class ContinuousScheduler:
-    """The running set, the queue and the pool of one replica; `run` steps until both are empty (or `after_step`
-    says stop). `after_step(finished sequences) -> bool` runs after every step, on every rank of the replica."""
+@dataclass
+class _InFlight:
+    plan: list               # [(_Running, tokens fed)]
+    sample: list             # rows of the plan whose tokens are all in: they sample
+    sent_s: float
 
-    def __init__(self, runner: Runner, cache: PagedKVCache, seqs: list, params: ContinuousParams,
-                 times: StepTimes, after_step=lambda finished: False, name=lambda index: f"prompt {index}",
-                 lockstep=None, graphs=None):
-        self.runner, self.cache, self.params, self.times = runner, cache, params, times
-        self.graphs = graphs                            # captured decode steps over `cache` (generate/graphs.py)
+
+class ContinuousScheduler:
+    """The running set, the queue and the pool of one replica, on its first pipeline stage; `run` steps until both
+    are empty (or `after_step` says stop). `after_step(finished sequences) -> bool` runs after every step's tokens
+    are back. `stage` runs the steps (continuous_stages.LocalStage, or FirstStage down a pipeline); up to
+    params.micro_batches steps are in flight at once, each over running sequences that no other step holds."""
+
+    def __init__(self, stage, cache: PagedKVCache, seqs: list, params: ContinuousParams, times: StepTimes,
+                 after_step=lambda finished: False, lockstep=None):
+        self.stage, self.cache, self.params, self.times = stage, cache, params, times
         self.lockstep = lockstep                        # the dp group when MoE replicas step together, else None
         self.waiting: deque = deque(seqs)
         self.running: list[_Running] = []               # admission order
+        self.in_flight: deque[_InFlight] = deque()
+        self.busy: set = set()                          # ids of the running sequences some step in flight holds
         self.after_step = after_step
-        pool = cache.pool
-        for seq in seqs:                                # a sequence the pool cannot hold alone: a set-up error
-            if cache.tables.blocks_for(seq.capacity) > pool.num_blocks:
-                raise ConfigError(f"{name(seq.index)}: {seq.capacity} positions (prompt {len(seq.prompt)} + "
-                                  f"max_new_tokens) need {cache.tables.blocks_for(seq.capacity)} KV blocks of "
-                                  f"{pool.block_size}, the pool has {pool.num_blocks}: raise "
-                                  f"[schedule] kv_cache_memory")
+        self.applies_tokens = not stage.stage_step.runner.model.stage.is_last   # the last stage records its own
 
     def run(self) -> None:
-        while self._any_work():
-            self._admit()
-            plan = self._plan()
-            finished = self._step(plan) if plan or self.lockstep is not None else []
-            if self.after_step(finished):
+        """Launch a step whenever one fits (in lockstep: every round, empty or not) and take the oldest step's
+        tokens back when micro_batches are in flight or nothing more can be launched."""
+        while True:
+            work = self._any_work()
+            if not work and not self.in_flight:
                 return
+            launched = False
+            if work:
+                self._admit()
+                plan = self._plan()
+                if plan or self.lockstep is not None:
+                    self._launch(plan)
+                    launched = True
+            if self.in_flight and (len(self.in_flight) >= self.params.micro_batches or not launched):
+                if self._receive():
+                    self._drain()
+                    return
 
     def _any_work(self) -> bool:
-        """This replica has sequences left; in lockstep, any replica has (every replica asks at every step)."""
+        """This replica has sequences left; in lockstep, any replica has (every replica asks at every round)."""
         mine = bool(self.waiting or self.running)
         if self.lockstep is None:
             return mine
@@ -93,30 +125,33 @@ class ContinuousScheduler:
             self.running.append(_Running(self.waiting.popleft()))
 
     def _plan(self) -> list[tuple[_Running, int]]:
-        """[(sequence, tokens to feed)] of the next step, its blocks allocated: decode tokens first, then prompt
-        chunks in admission order, up to max_batch_tokens; preempts (newest first) when the pool runs out."""
-        budget = self.params.max_batch_tokens
-        decode = [r for r in self.running if r.pending == 1]
-        prefill = [r for r in self.running if r.pending > 1]
+        """[(sequence, tokens to feed)] of the next step over the running sequences no step in flight holds, its
+        blocks allocated: decode tokens first, then prompt chunks in admission order, up to the step's sequences
+        and tokens; preempts (newest idle first) when the pool runs out."""
+        budget, room = self.params.step_tokens, self.params.step_sequences
+        idle = [r for r in self.running if r.seq.index not in self.busy]
         plan = []
-        for r in decode + prefill:
-            if budget == 0:
+        for r in [r for r in idle if r.pending == 1] + [r for r in idle if r.pending > 1]:
+            if budget == 0 or len(plan) == room:
                 break
             if r not in self.running:                      # preempted while planning this step
                 continue
             count = min(r.pending, budget)
             if not self._reserve(r, r.computed + count):
-                continue                                   # r itself was preempted
+                continue                                   # r was preempted, or waits for blocks in flight
             plan.append((r, count))
             budget -= count
         return [(r, n) for r, n in plan if r in self.running]
 
     def _reserve(self, r: _Running, length: int) -> bool:
-        """Blocks for `length` positions of r, preempting the newest running sequences until they fit; False when
-        r is the newest and had to go itself."""
+        """Blocks for `length` positions of r, preempting the newest idle running sequences until they fit; False
+        when r is the newest idle one: it is preempted, or, while steps are in flight (their sequences will
+        grow or end), it waits with its blocks."""
         tables = self.cache.tables
         while not tables.can_grow(r.seq.index, length):
-            victim = self.running[-1]
+            victim = [x for x in self.running if x.seq.index not in self.busy][-1]
+            if victim is r and self.in_flight:
+                return False
             self._preempt(victim)
             if victim is r:
                 return False
@@ -130,41 +165,57 @@ class ContinuousScheduler:
         self.waiting.appendleft(r.seq)
         self.times.preemptions += 1
 
-    # ---- one step --------------------------------------------------------------------------------------------
-    def _step(self, plan: list[tuple[_Running, int]]) -> list[Sequence]:
-        """Feed the plan's tokens, sample where a sequence's tokens are all in, retire the finished."""
+    # ---- a step out and its tokens back ----------------------------------------------------------------------
+    def _launch(self, plan: list[tuple[_Running, int]]) -> None:
+        """Hand the plan's tokens to the stage, with the rows that sample (those whose tokens are then all in)."""
+        self._record_occupancy()
         ids = [r.seq.index for r, _ in plan]
         starts = [r.computed for r, _ in plan]
         counts = [n for _, n in plan]
         tokens = np.array([t for r, n in plan for t in r.tokens[r.computed:r.computed + n]], dtype=np.int64)
-        self._record_occupancy(plan)
-        layout = self.cache.layout(ids, starts, counts)
-        t0 = time.perf_counter()
-        logits = self.runner.step(self.cache, layout, {"tokens": tokens}, self.graphs)
-        ready = []
-        for row, (r, n) in enumerate(plan):
+        header = {"ids": ids, "starts": starts, "counts": counts,
+                  "tables": self.cache.tables.table_array(ids)}
+        for r, n in plan:
             r.computed += n
-            if r.pending == 0:
-                ready.append(row)
-        if ready:                                       # (an empty lockstep step has none)
-            logits = self.runner.model.ops.to_host(logits)
-            self.runner.sample([plan[row][0].seq for row in ready], logits[ready])
-        step_s = time.perf_counter() - t0
-        self.times.busy_s += step_s
-        if not counts:
-            self.times.wait_s += step_s                 # an empty lockstep step: only the exchanges
-        elif all(n == 1 for n in counts):
-            self.times.decode_s.append(step_s)
-        else:
-            self.times.prefill_s += step_s
-        finished = [r for r, _ in plan if r.seq.finish_reason is not None]
+        header["sample"] = [row for row, (r, _) in enumerate(plan) if r.pending == 0]
+        self.busy.update(ids)
+        self.in_flight.append(_InFlight(plan, header["sample"], time.perf_counter()))
+        self.stage.launch(header, tokens)
+
+    def _receive(self) -> bool:
+        """The oldest step's tokens: record them, retire the finished (their blocks go back), then after_step."""
+        step = self.in_flight.popleft()
+        reply = self.stage.receive()
+        if self.applies_tokens:
+            for index, token, reason in zip(reply["ids"], reply["tokens"], reply["finish"]):
+                seq = step.plan[[r.seq.index for r, _ in step.plan].index(index)][0].seq
+                seq.generated.append(token)
+                seq.finish_reason = reason
+        self._record_time(step)
+        self.busy.difference_update(r.seq.index for r, _ in step.plan)
+        finished = [r for r, _ in step.plan if r.seq.finish_reason is not None]
         for r in finished:
             self.cache.tables.release(r.seq.index)
             self.running.remove(r)
-        Runner.account([r.seq for r in finished], self.times)
-        return [r.seq for r in finished]
+        return self.after_step([r.seq for r in finished])
 
-    def _record_occupancy(self, plan) -> None:
+    def _drain(self) -> None:
+        """Stopping: the steps still in flight come back (their tokens are not kept: a re-run redoes them)."""
+        while self.in_flight:
+            self.in_flight.popleft()
+            self.stage.receive()
+
+    def _record_time(self, step: _InFlight) -> None:
+        """A step from launch to its tokens back: decode steps one by one, the rest as prefill."""
+        elapsed = time.perf_counter() - step.sent_s
+        if not step.plan:
+            self.times.wait_s += elapsed                # an empty lockstep step: only the exchanges
+        elif all(n == 1 for _, n in step.plan):
+            self.times.decode_s.append(elapsed)
+        else:
+            self.times.prefill_s += elapsed
+
+    def _record_occupancy(self) -> None:
         """Running sequences per step while prompts wait (the batch could be full), and the pool's use."""
         times, pool = self.times, self.cache.pool
         if self.waiting:
@@ -176,15 +227,39 @@ class ContinuousScheduler:
         times.kv_block_samples += 1
 
 
+def check_fits(seqs: list, cache: PagedKVCache, name=lambda index: f"prompt {index}") -> None:
+    """A sequence the pool cannot hold alone is a set-up error naming it (every stage checks: they agree on the
+    pool's size)."""
+    tables, pool = cache.tables, cache.pool
+    for seq in seqs:
+        if tables.blocks_for(seq.capacity) > pool.num_blocks:
+            raise ConfigError(f"{name(seq.index)}: {seq.capacity} positions (prompt {len(seq.prompt)} + "
+                              f"max_new_tokens) need {tables.blocks_for(seq.capacity)} KV blocks of "
+                              f"{pool.block_size}, the pool has {pool.num_blocks}: raise "
+                              f"[schedule] kv_cache_memory")
+
+
 def run_continuous(runner: Runner, prompts: list, indices: list, times: StepTimes, params: ContinuousParams,
                    cache: PagedKVCache, after_step=lambda finished: False, name=lambda index: f"prompt {index}",
-                   lockstep=None, graphs=None) -> None:
-    """Generate for `prompts` (token id lists, input indices `indices`) with continuous batching over `cache`;
-    every finished sequence is handed to `after_step` (the replica's commit point) as it ends. name(index): how
-    an error names a prompt. lockstep: the dp group of MoE replicas, which step together. graphs: the captured
-    paged decode steps over `cache` (generate/graphs.paged_decode_graphs), or None (every step eager)."""
+                   lockstep=None, graphs=None, link=None, end_round=None) -> list:
+    """Generate for `prompts` (token id lists, input indices `indices`) with continuous batching over `cache`.
+    On the first stage, every step's finished sequences go to `after_step` (the replica's commit points,
+    replica.CommitPoints) as they end. With pp > 1 (`link`, a comm.pipeline.StageLink) the later stages serve the
+    steps and call end_round(their finished results) at each commit point; the last stage returns the results it
+    did not hand to end_round. name(index): how an error names a prompt. lockstep: the dp group of MoE replicas,
+    which step together. graphs: the captured paged decode steps over `cache`
+    (generate/graphs.paged_decode_graphs), or None (every step eager)."""
     seqs = runner.sequences(prompts, indices)
-    ContinuousScheduler(runner, cache, seqs, params, times, after_step, name, lockstep, graphs).run()
+    check_fits(seqs, cache, name)
+    stage_step = StageStep(runner, cache, seqs, times, graphs)
+    if not runner.model.stage.is_first:
+        return serve(stage_step, link, end_round)
+    stage = LocalStage(stage_step) if link is None else FirstStage(stage_step, link)
+    try:
+        ContinuousScheduler(stage, cache, seqs, params, times, after_step, lockstep).run()
+    finally:
+        stage.close()
+    return []
 
 
 def unsupported(config) -> list[str]:
@@ -192,8 +267,8 @@ def unsupported(config) -> list[str]:
     why = []
     if config.offload.active:
         why.append("[offload] runs fixed blocks by design (FlexGen's zig-zag and ZeRO-Inference's row schedules)")
-    if config.parallel.pp > 1:
-        why.append(f"pipeline parallelism (pp = {config.parallel.pp}) runs the static micro-batch schedule")
+    if config.schedule.kv_offload_bytes:
+        why.append("[schedule] kv_offload_threshold moves the static schedule's dense KV cache by layer parity")
     if config.runtime.cuda_graphs:
         why.append("[runtime] cuda_graphs captures the static schedule's decode steps (paged steps run eagerly)")
     return why + paged_supports(config.model.kv_cache, config.generate.attention_topk)
