@@ -333,9 +333,9 @@ def test_bad_dtype(tmp_path):
 
 # ------------------------------------------------------------------------------ synthetic Q4_1 / Q8_0 GGUF, kept
 
-def _write_quantized_llama(path: Path) -> None:
-    """One-layer Llama GGUF whose matrices are Q4_1 blocks and whose embedding is Q8_0 (SmolLM2's layout, at
-    D=64, 4 heads / 2 KV heads, F=128, V=64: every tp=2 shard holds whole blocks of 32)."""
+def _write_quantized_llama(path: Path, layer_kind: str = "Q4_1") -> None:
+    """One-layer Llama GGUF whose matrices are Q4_1 blocks (or `layer_kind`) and whose embedding is Q8_0 (SmolLM2's
+    layout, at D=64, 4 heads / 2 KV heads, F=128, V=64: every tp=2 shard holds whole blocks of 32)."""
     from gguf.quants import quantize
 
     rng = np.random.default_rng(1)
@@ -351,7 +351,7 @@ def _write_quantized_llama(path: Path) -> None:
     for name in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
     for name, shape in shapes.items():
-        kind = gguf.GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
+        kind = gguf.GGMLQuantizationType[layer_kind if name != "token_embd.weight" else "Q8_0"]
         value = (rng.standard_normal(shape) * 0.3).astype(np.float32)
         w.add_tensor(name, quantize(value, kind), raw_dtype=kind)
     w.write_header_to_file()
@@ -417,3 +417,174 @@ def test_keep_quantized_refuses_quantize_and_non_gguf_sources(kept_tiny, tmp_pat
     err = capsys.readouterr().err
     assert "--keep-quantized applies to .gguf sources only" in err
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ issue 22: quantizing follows the source's grid
+
+LAYER_MATRICES = ("layers.0.attn.q.weight", "layers.0.attn.k.weight", "layers.0.attn.v.weight",
+                  "layers.0.attn.o.weight", "layers.0.mlp.gate.weight", "layers.0.mlp.up.weight",
+                  "layers.0.mlp.down.weight")
+
+
+def _stored(path) -> dict:
+    """tensor name -> (mode, group size) of every matrix a checkpoint stores quantized."""
+    from hpcinfer.quant import storage
+
+    with open_checkpoint(str(path)) as ckpt:
+        return {name: (str(ckpt.file[f"{name}.q"].attrs["mode"]), int(ckpt.file[f"{name}.q"].attrs["group_size"]))
+                for name in tensor_shapes(ckpt.arch) if storage.is_stored_quantized(ckpt.file, name)}
+
+
+def _same_values(a, b, names) -> None:
+    with open_checkpoint(str(a)) as x, open_checkpoint(str(b)) as y:
+        for name in names:
+            np.testing.assert_array_equal(x.read(name), y.read(name), err_msg=name)
+
+
+@pytest.fixture
+def hpcinfer_log():
+    """Lines the "hpcinfer" logger emits (info and up) while a test runs, as (level name, message)."""
+    import logging
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append((record.levelname, record.getMessage()))
+
+    logger, handler = logging.getLogger("hpcinfer"), Keep()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_default_int4_conversion_puts_every_group_on_the_q4_1_grid(kept_tiny, tmp_path, capsys):
+    """`convert --quantize int4` with no group size, from a Q4_1 source: every layer matrix is int4 in groups of 32
+    (the Q4_1 blocks, kept: exactly the plain conversion's values), the Q8_0 embedding keeps its 8-bit blocks, and
+    one log line says which groups were chosen and why. `--quantize-embedding same` makes the embedding int4 g32."""
+    from hpcinfer.cli import main
+
+    out = tmp_path / "int4.h5"
+    assert main(["convert", str(kept_tiny / "tiny.gguf"), str(out), "--quantize", "int4"]) == 0
+    err = capsys.readouterr().err
+    grid_lines = [line for line in err.splitlines() if "block grid" in line]
+    assert grid_lines == ["hpcinfer: int4 in groups of 32, on the source's block grid (Q4_1; no group size given); "
+                          "the embedding / LM head at 8 bits (quantize_embedding = \"same\" makes them int4)"]
+    assert "warning" not in err
+    stored = _stored(out)
+    assert stored == {**{name: ("int4", 32) for name in LAYER_MATRICES}, "embed.tokens": ("q8_0", 32)}
+    _same_values(out, kept_tiny / "plain.h5", list(stored))                    # no second rounding anywhere
+
+    same = tmp_path / "int4-embed4.h5"
+    assert main(["convert", str(kept_tiny / "tiny.gguf"), str(same), "--quantize", "int4",
+                 "--quantize-embedding", "same"]) == 0
+    assert _stored(same) == {**stored, "embed.tokens": ("int4", 32)}
+
+
+def test_default_int4_conversion_keeps_q4_0_blocks_as_int4(tmp_path):
+    """A Q4_0 source's blocks (x = d (q - 8)) are int4 in groups of 32 already (scale d, minimum -8 d): kept,
+    bit-identical to what the gguf package dequantizes."""
+    _write_quantized_llama(tmp_path / "q4_0.gguf", layer_kind="Q4_0")
+    convert_gguf(str(tmp_path / "q4_0.gguf"), str(tmp_path / "plain.h5"))
+    convert_gguf(str(tmp_path / "q4_0.gguf"), str(tmp_path / "int4.h5"), quantize="int4")
+    stored = _stored(tmp_path / "int4.h5")
+    assert {stored[name] for name in LAYER_MATRICES} == {("int4", 32)}
+    _same_values(tmp_path / "int4.h5", tmp_path / "plain.h5", LAYER_MATRICES)
+
+
+def test_a_group_off_the_source_grid_is_a_warning_naming_the_loss(kept_tiny, tmp_path, capsys):
+    """--group-size 64 on Q4_1 blocks of 32 is what was asked (groups of 64, re-quantized), with a warning that
+    names the double rounding, its measured cost and the groups that fit; 16 divides the blocks: no warning."""
+    from hpcinfer.cli import main
+
+    off = tmp_path / "g64.h5"
+    assert main(["convert", str(kept_tiny / "tiny.gguf"), str(off), "--quantize", "int4", "--group-size", "64"]) == 0
+    err = capsys.readouterr().err
+    assert ("hpcinfer: warning: --group-size 64 does not divide into the source's Q4_1 blocks of 32: int4 rounds "
+            "every weight a second time") in err
+    assert "1.42x float32 perplexity" in err and "use 32 or a divisor of it" in err
+    assert {_stored(off)[name] for name in LAYER_MATRICES} == {("int4", 64)}
+
+    assert main(["convert", str(kept_tiny / "tiny.gguf"), str(tmp_path / "g16.h5"), "--quantize", "int4",
+                 "--group-size", "16"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert {_stored(tmp_path / "g16.h5")[name] for name in LAYER_MATRICES} == {("int4", 16)}
+
+
+def test_quantize_at_load_follows_the_grid_a_float_conversion_recorded(kept_tiny, hpcinfer_log):
+    """The plain conversion records each tensor's GGUF grid; `[model] quantize = "int4"` with quantize_group unset
+    (or 0) then uses groups of 32 and logs it, a given 64 is a logged warning, and a Hugging Face-like float
+    checkpoint with no grid keeps the default 64."""
+    from hpcinfer.quant import storage
+
+    with open_checkpoint(str(kept_tiny / "plain.h5")) as ckpt:
+        assert storage.source_grid(ckpt.file, "layers.0.attn.q.weight") == ("Q4_1", 32, 4)
+        for unset in (None, 0):
+            quant = storage.load_quant(ckpt, "int4", unset)
+            assert (quant.group_size, quant.group_given) == (32, False)
+        assert hpcinfer_log[-1] == ("INFO", "int4 in groups of 32, on the source's block grid (Q4_1; no group size "
+                                            "given); the embedding / LM head at 8 bits (quantize_embedding = "
+                                            "\"same\" makes them int4)")
+        modes = storage.quant_of(ckpt, storage.load_quant(ckpt, "int4"))
+        assert modes("layers.0.mlp.down.weight") == ("int4", 32) and modes("embed.tokens")[0] == "int8"
+        assert storage.load_quant(ckpt, "int4", 64).group_size == 64
+        level, line = hpcinfer_log[-1]
+        assert level == "WARNING" and line.startswith("[model] quantize_group 64 does not divide into the "
+                                                      "source's Q4_1 blocks of 32")
+        embed4 = storage.load_quant(ckpt, "int4", None, "same")
+        assert storage.quant_of(ckpt, embed4)("embed.tokens") == ("int4", 32)
+        with pytest.raises(Exception, match=r"quantize_embedding = 'int2' is not allowed; choose one of int8, same"):
+            storage.load_quant(ckpt, "int4", None, "int2")
+
+
+def test_quantize_at_load_of_a_kept_checkpoint_keeps_its_blocks(kept_tiny, hpcinfer_log):
+    """A --keep-quantized checkpoint takes `[model] quantize = "int4"` now: its Q4_1 blocks already are 4 bits, so
+    they are read as they are (as int4 g32), and so is the Q8_0 embedding (8 bits, the default); with
+    quantize_embedding = "same" the embedding is re-quantized to int4 g32, and a given group of 64 re-quantizes
+    the layers too (asked), with the warning."""
+    from hpcinfer.quant import storage
+    from hpcinfer.quant.formats import dequantize
+
+    with open_checkpoint(str(kept_tiny / "kept.h5")) as ckpt:
+        storage.configure(ckpt, "int4")
+        q = storage.load_matrix(ckpt, "layers.0.attn.q.weight")
+        stored = storage.read_quantized(ckpt.file, "layers.0.attn.q.weight")
+        assert (q.mode, q.group_size, stored.mode) == ("int4", 32, "q4_1")
+        np.testing.assert_array_equal(q.q, stored.q)
+        np.testing.assert_array_equal(q.scale, stored.scale)
+        assert storage.load_matrix(ckpt, "embed.tokens").mode == "q8_0"
+        assert storage.quant_of(ckpt)("layers.0.mlp.up.weight") == ("int4", 32)
+
+        storage.configure(ckpt, "int4", None, "same")
+        embed = storage.load_matrix(ckpt, "embed.tokens")
+        assert (embed.mode, embed.group_size) == ("int4", 32)
+        storage.configure(ckpt, "int4", 64)
+        assert hpcinfer_log[-1][0] == "WARNING"
+        down = storage.load_matrix(ckpt, "layers.0.mlp.down.weight", cols=slice(0, 128))     # all F = 128 inputs
+        assert (down.mode, down.group_size) == ("int4", 64)
+        np.testing.assert_allclose(dequantize(down), dequantize(storage.read_quantized(
+            ckpt.file, "layers.0.mlp.down.weight")), atol=float(down.scale.max()) / 2 + 1e-7)
+
+
+def test_inspect_shows_each_tensors_format_group_and_bytes_per_parameter(kept_tiny, tmp_path, capsys):
+    from hpcinfer.cli import main
+
+    out = tmp_path / "int4.h5"
+    assert main(["convert", str(kept_tiny / "tiny.gguf"), str(out), "--quantize", "int4"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = {line.split()[0]: line.split("]", 1)[1].split() for line in text.splitlines() if line.startswith("  ") and "]" in line}
+    assert rows["layers.0.attn.q.weight"] == ["int4", "g32", "0.7500"]           # 0.5 + 2 x 4 bytes / 32
+    assert rows["embed.tokens"] == ["q8_0", "g32", "1.1250"]                     # 1 + 4 bytes / 32
+    assert rows["final_norm.weight"] == ["float32", "4.0000"]
+    with open_checkpoint(str(out)) as ckpt:
+        total = sum(int(ds.nbytes) for ds in ckpt.file.values() if hasattr(ds, "nbytes") and
+                    not ds.name.startswith("/tokenizer") and not ds.name.startswith("/_"))
+        params = sum(int(np.prod(shape)) for shape in tensor_shapes(ckpt.arch).values())
+    assert f"bytes: {total:,} for all tensors, {total / params:.4f} bytes per parameter" in text
+    plain = main(["inspect", str(kept_tiny / "plain.h5")])
+    assert plain == 0 and "float32 (source Q4_1 g32)" in capsys.readouterr().out

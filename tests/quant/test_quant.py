@@ -358,3 +358,20 @@ def test_perplexity_bench_part_modes_and_search_quantize():
     assert np.isclose(err_minmax, float(((dequantize(quantize(w, "int4", 64)) - w).astype(np.float64) ** 2).sum()))
     assert np.isclose(err_search, float(((dequantize(qt) - w).astype(np.float64) ** 2).sum()))
     assert err_search < err_minmax
+
+
+def test_model_section_quantize_keys(tmp_path):
+    """[model] quantize_group defaults to 0 (= follow the source's block grid) and quantize_embedding to "int8";
+    a value outside the choices is an error naming the key, the value and what is allowed."""
+    from hpcinfer.config import load_config
+
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\ncheckpoint = "m.h5"\nquantize = "int4"\n\n'
+                    '[generate]\nprompts = "p.jsonl"\noutput = "o.jsonl"\n')
+    config = load_config(str(path))
+    assert (config.model.quantize_group, config.model.quantize_embedding) == (0, "int8")
+    assert load_config(str(path), ["model.quantize_embedding=\"same\""]).model.quantize_embedding == "same"
+    with pytest.raises(ConfigError, match=r"quantize_embedding.*'int4'.*int8, same"):
+        load_config(str(path), ["model.quantize_embedding=\"int4\""])
+    with pytest.raises(ConfigError, match=r"quantize_group.*must be >= 0"):
+        load_config(str(path), ["model.quantize_group=-1"])
