@@ -18,73 +18,24 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
-
-from ...checkpoint.format import open_checkpoint
-from ...generate.prompts import load_prompts
-from ...generate.tokenizer import TextTokenizer
+from ..chat_workload import CHECKPOINT, GGUF, QUESTIONS, hpcinfer_run, prompt_ids, run_transformers
+from ..chat_workload import make_prompts as make_chat_prompts
 from ..common import git_commit, logger, machine_info
-from ..hf_baseline import Transformers
-from ..suites.cells import run_job, toml_text
 from .results import write_results
 
 PROMPTS = Path("inputs/batching-chat.jsonl")
-CHECKPOINT = Path("models/smollm2.h5")
-GGUF = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")          # what the checkpoint was converted from
-QUESTIONS = ("In two or three sentences, what does this part of the Python documentation say?",
-             "Summarize the following text for a beginner.",
-             "What are the main points of this passage?",
-             "Explain the key idea of this text in plain words.",
-             "Write a short question a student could answer after reading this.")
 JOB_TIMEOUT_S = 3600            # one hpcinfer run of the whole set (about 8 minutes at the defaults here)
 log = logger("bench.batching")
 
 
 def make_prompts(count: int = 288, seed: int = 21) -> list[dict]:
-    """`count` chat prompts: a question and an excerpt of pydoc_data/topics.py of 10 to 760 words (about 16 to
-    1,024 tokens with the template), log-uniform, from topics taken in a seeded order."""
-    import pydoc_data.topics as topics
-
-    rng = np.random.default_rng(seed)
-    texts = [topics.topics[k].split() for k in sorted(topics.topics)]
-    order = rng.permutation(len(texts))
-    prompts = []
-    for i in range(count):
-        words = texts[order[i % len(texts)]]
-        n = int(round(math.exp(rng.uniform(math.log(10), math.log(760)))))
-        start = int(rng.integers(0, max(1, len(words) - n)))
-        excerpt = " ".join(words[start:start + n])
-        prompts.append({"id": f"chat{i:03d}", "text": f"{QUESTIONS[i % len(QUESTIONS)]}\n\n{excerpt}", "chat": True})
-    return prompts
-
-
-def run_job(prompts: Path, out: Path, dp: int, batch: int, max_new: int, schedule: dict) -> dict:
-    """`hpcinfer run` of the whole prompt set on dp ranks (1 BLAS thread each on a 2-core machine): its metrics."""
-    config = out.with_suffix(".toml")
-    threads = max(1, (os.cpu_count() or 1) // dp)
-    config.write_text(toml_text({
-        "model": {"checkpoint": str(CHECKPOINT.resolve()), "dtype": "float32"},
-        "generate": {"prompts": str(prompts.resolve()), "output": str(out), "metrics": f"{out}.metrics.json",
-                     "max_new_tokens": max_new, "batch_size": batch, "temperature": 0.0},
-        "schedule": schedule, "runtime": {"backend": "numpy", "threads": threads}}))
-    python = sys.executable
-    argv = [python, "-m", "hpcinfer", "run", str(config)]
-    if dp > 1:
-        argv = [str(Path(python).parent / "mpiexec"), "-n", str(dp)] + argv
-    t0 = time.perf_counter()
-    code, output = run_job(argv, JOB_TIMEOUT_S, out.with_suffix(".log"))
-    if code != 0:
-        raise SystemExit(f"bench.batching: {' '.join(argv)} failed:\n{output[-3000:]}")
-    metrics = json.loads(Path(f"{out}.metrics.json").read_text())
-    metrics["wall_s"] = time.perf_counter() - t0
-    return metrics
+    """`count` chat prompts with excerpts of 10 to 760 words (about 16 to 1,024 tokens with the template)."""
+    return make_chat_prompts(count, seed, (10, 760))
 
 
 def cell(metrics: dict) -> dict:
@@ -94,36 +45,6 @@ def cell(metrics: dict) -> dict:
             "token_latency_s": b["token_latency_s"], "time_to_first_token_s": b["time_to_first_token_s"],
             "replica_imbalance": b["replica_imbalance"], "kv_peak_bytes_per_rank":
             metrics["kv_cache"]["peak_device_bytes_per_rank"], "kv_pool_blocks": b["kv_pool_blocks"]}
-
-
-def prompt_ids(prompts: Path) -> tuple[list, list]:
-    """The token ids `hpcinfer run` feeds for each prompt (chat template applied), and the EOS ids."""
-    with open_checkpoint(str(CHECKPOINT)) as ckpt:
-        tokenizer = TextTokenizer.from_checkpoint(ckpt)
-        arch = ckpt.arch
-    return [p.tokens for p in load_prompts(str(prompts), arch, tokenizer)], list(arch.eos_token_ids)
-
-
-def run_hf(ids: list, eos: list, batch: int, max_new: int, threads: int) -> dict:
-    """transformers' batched greedy `generate` on the same token ids and weights (the GGUF, float32), batches of
-    `batch` in input order, left padded; generated tokens counted up to and including EOS."""
-    hf = Transformers(str(GGUF))
-    torch = hf.torch
-    torch.set_num_threads(threads)
-    generated, t0 = 0, time.perf_counter()
-    with torch.inference_mode():
-        for a in range(0, len(ids), batch):
-            group = ids[a:a + batch]
-            width = max(len(x) for x in group)
-            tokens = torch.tensor([[eos[0]] * (width - len(x)) + x for x in group])
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in group])
-            out = hf.model.generate(input_ids=tokens, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                    eos_token_id=eos, pad_token_id=eos[0])
-            for row in out[:, width:].tolist():
-                generated += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-    seconds = time.perf_counter() - t0
-    return {"tokens_per_s": generated / seconds, "generated_tokens": generated, "generate_s": seconds,
-            "torch": torch.__version__}
 
 
 def _fmt(value, spec: str) -> str:
@@ -191,13 +112,16 @@ def main(argv=None) -> int:
             if mode == "continuous":                # the static run's KV memory per rank
                 schedule["kv_cache_memory"] = int(result["runs"][f"static dp={dp}"]["kv_peak_bytes_per_rank"])
             log(f"{name}: {len(ids)} prompts")
-            result["runs"][name] = cell(run_job(prompts, outs[mode], dp, args.batch, args.max_new, schedule))
+            result["runs"][name] = cell(hpcinfer_run(prompts, outs[mode], dp, args.batch, args.max_new, schedule,
+                                                     JOB_TIMEOUT_S))
             log(f"{name}: {result['runs'][name]['tokens_per_s']:.1f} tokens/s")
         result["checks"][f"dp={dp}: continuous file == static file"] = \
             outs["continuous"].read_bytes() == outs["static"].read_bytes()
     if not args.no_hf:
         log("transformers generate")
-        result["runs"]["transformers generate"] = run_hf(ids, eos, args.batch, args.max_new, os.cpu_count() or 1)
+        hf = run_transformers(ids, eos, args.batch, args.max_new, os.cpu_count() or 1)
+        hf.pop("outputs")
+        result["runs"]["transformers generate"] = hf
     write_results(args.out, "batching", result, report(result), log)
     return 0
 

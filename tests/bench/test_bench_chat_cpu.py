@@ -1,0 +1,52 @@
+"""The chat-workload benchmarks' plumbing (hpcinfer/bench/chat_workload.py, scripts/chat_cpu.py) without the real
+model: the kept workload's shape, a real `hpcinfer run` through hpcinfer_run on a tiny preset (alone and at dp = 2,
+continuous and static agreeing), EOS cutting, agreement counts, and the report's rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpcinfer.bench import chat_workload
+from hpcinfer.bench.scripts import chat_cpu
+
+
+def test_the_kept_workload_has_its_shape():
+    kept = [json.loads(line) for line in Path(chat_cpu.PROMPTS).read_text().splitlines()]
+    assert len(kept) == 64 and len({p["id"] for p in kept}) == 64
+    assert all(p["chat"] is True and p["text"].split("\n\n")[0] in chat_workload.QUESTIONS for p in kept)
+    words = sorted(len(p["text"].split("\n\n", 1)[1].split()) for p in kept)
+    assert words[-1] <= chat_cpu.WORDS[1] and words[-1] > 4 * words[0]          # (a short topic gives fewer words)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_hpcinfer_run_returns_metrics_and_outputs(tmp_path, dp):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "tokens": [(7 * i + k) % 200 + 1 for k in range(3 + 2 * i)]})
+                               + "\n" for i in range(6)))
+    runs = {mode: chat_workload.hpcinfer_run(prompts, tmp_path / f"{mode}.jsonl", dp, 2, 5, {"batching": mode}, 300,
+                                             {"preset": "tiny-dense"}) for mode in ("static", "continuous")}
+    for mode, metrics in runs.items():
+        assert metrics["batching"]["mode"] == mode and metrics["wall_s"] > 0
+        assert len(metrics["outputs"]) == 6 and all(1 <= len(row) <= 5 for row in metrics["outputs"])
+    assert runs["static"]["outputs"] == runs["continuous"]["outputs"]
+
+
+def test_eos_cut_and_agreement():
+    assert chat_workload.up_to_eos([5, 6, 2, 7], [2]) == [5, 6, 2]
+    assert chat_workload.up_to_eos([5, 6], [2]) == [5, 6]
+    assert chat_workload.agreement([[1, 2], [3], [4]], [[1, 2], [3, 9], [4]]) == 2
+
+
+def test_report_rows_are_against_transformers():
+    result = {"date": "2026-11-27", "commit": "abc", "machine": {"cpu_model": "cpu", "cpus_usable": 2},
+              "settings": {"prompts": 2, "max_new": 8, "batch": 8, "prompt_tokens": {"min": 5, "max": 9, "total": 14}},
+              "runs": {"transformers (static batches of 8)": {"tokens_per_s": 20.0, "generate_s": 10.0,
+                                                            "generated_tokens": 200, "agree": "2 / 2"},
+                       "hpcinfer continuous (batch_size 8)": {"tokens_per_s": 50.0, "generate_s": 4.0,
+                                                             "generated_tokens": 200, "agree": "2 / 2"}}}
+    text = chat_cpu.report(result)
+    assert "| hpcinfer continuous (batch_size 8) | 50.0 | 4 | 2.50x | 200 | 2 / 2 |" in text
+    assert "| transformers (static batches of 8) | 20.0 | 10 | 1.00x | 200 | 2 / 2 |" in text
