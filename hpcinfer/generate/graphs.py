@@ -176,8 +176,15 @@ def pad_rows(ops, value, rows: int):
 def paged_decode_graphs(runner, cache, cuda_graphs: bool):
     """The continuous schedule's captured decode steps over a paged cache (generate/paged_cache.PagedKVCache), when
     `[runtime] cuda_graphs` is on and the backend is cupy; else None (every paged step runs eagerly). The schedule
-    adds its counters to the run's StepTimes (PagedDecodeGraphs.record) and closes it when the run ends."""
+    adds its counters to the run's StepTimes (PagedDecodeGraphs.record) and closes it when the run ends. A pool of
+    quantized rows (`[model] kv_cache`) is not captured yet: its steps gather the blocks through indices made on
+    the host (paged_attention.through_dense), which a graph would keep from its capture; they run eagerly (said
+    once in the log)."""
     if not cuda_graphs or runner.model.ops.name != "cupy":
+        return None
+    if cache.kv_format is not None:
+        log.warning("cuda_graphs: the continuous schedule's decode steps over the %s KV pool run eagerly (paged "
+                    "graphs take float32 pools only)", cache.kv_format.mode)
         return None
     return PagedDecodeGraphs(runner.model, cache, runner.forward)
 

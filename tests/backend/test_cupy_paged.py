@@ -2,7 +2,10 @@
 cupy_paged.attention equals backend/paged_attention.attention (NumpyOps, the spec) for decode (one pass and
 flash-decoding), prefill and mixed steps over block tables scattered through a NaN-poisoned pool (-1 padded, as
 BlockTables makes them), with the kernels and with plain CuPy, on the kernels' shapes and on the ones they leave
-to the fallbacks (group 16, head dim 160); the pools equal the spec's after the append. End to end: a tiny-dense
+to the fallbacks (group 16, head dim 160); the pools equal the spec's after the append. A decode step as a CUDA
+graph gives it (cupy_graphs.PagedDeviceStep) is read from its device buffers only (its host fields another step's),
+with the flash-decoding chunk count of its KV bucket; past the kernel bounds its host values take the fallback.
+End to end: a tiny-dense
 Decoder on CupyOps through the continuous schedule gives the NumPy tokens (paged steps routed to cupy_paged in the
 test, as CupyOps.attention does once wired)."""
 
@@ -12,6 +15,7 @@ import numpy as np
 import pytest
 
 from hpcinfer.backend import cupy_paged, paged_attention
+from hpcinfer.backend.cupy_graphs import PagedDeviceStep, kv_bucket
 from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.generate.block_manager import BlockPool, BlockTables
@@ -52,12 +56,14 @@ def qkv_views(rng, T, H, Hkv, hd):
             qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
 
 
-def check_against_numpy(cp, ops, kind, bs, H, Hkv, hd, seed=0):
+def check_against_numpy(cp, ops, kind, bs, H, Hkv, hd, seed=0, device=None):
+    """device(cp, step) -> the step cupy_paged gets (a PagedDeviceStep), or None: the host step."""
     rng = np.random.default_rng(seed)
     step, pool_k, pool_v = paged_step(rng, *STEPS[kind], bs, Hkv, hd)
     q, k, v = qkv_views(rng, step.num_tokens, H, Hkv, hd)
     dev_k, dev_v = cp.asarray(pool_k), cp.asarray(pool_v)
-    got = cupy_paged.attention(ops, *(ops.asarray(a) for a in (q, k, v)), dev_k, dev_v, step, SCALE)
+    given = step if device is None else device(cp, step)
+    got = cupy_paged.attention(ops, *(ops.asarray(a) for a in (q, k, v)), dev_k, dev_v, given, SCALE)
     # NumPy's paged path reads whole blocks and masks the scores (its pools only ever hold model rows): give it
     # the pools with the poison zeroed; the device side must not read the poison at all
     clean_k, clean_v = np.nan_to_num(pool_k, nan=0.0), np.nan_to_num(pool_v, nan=0.0)
@@ -87,6 +93,50 @@ def test_paged_attention_equals_numpy(emu_cupy, ops, kind, bs, H, Hkv, hd):
 def test_shapes_past_the_kernel_bounds_take_the_fallback(emu_cupy, ops, H, Hkv, hd):
     for kind in ("decode", "mixed"):
         check_against_numpy(emu_cupy, ops, kind, 4, H, Hkv, hd, seed=1)
+    check_against_numpy(emu_cupy, ops, "decode", 4, H, Hkv, hd, seed=1, device=device_step)   # its host values
+
+
+def device_step(cp, step, kv_len=None):
+    """The PagedDeviceStep a graph of `step`'s key captures (kv_len: its KV bucket), holding `step`'s values."""
+    return PagedDeviceStep.upload(cp, step, kv_len or kv_bucket(int(step.starts.max()) + 1))
+
+
+def stale_device_step(cp, step, kv_len=None):
+    """As a replayed graph sees `step`: a PagedDeviceStep of its key made from another step (starts 0, the tables
+    in reverse order: its host fields), then loaded with `step`'s values. Only its device buffers are right."""
+    other = StepLayout.paged(step.tables[::-1], step.block_size, np.zeros_like(step.starts), step.counts)
+    made = device_step(cp, other, kv_len or kv_bucket(int(step.starts.max()) + 1))
+    made.load(step)
+    return made
+
+
+@pytest.mark.parametrize("kind, kv_len, chunks", [
+    ("decode", None, None),                   # 18 positions at most, bucket 64: one pass at 0 SMs
+    ("long-decode", None, 3),                 # eager: 48 positions, 3 chunks (test_decode_runs_the_paged_kernels_alone)
+    ("long-decode", 64, 4),                   # the graph's: its bucket's 64 positions
+    ("long-decode", 128, 8),
+])
+def test_a_device_step_decodes_from_its_buffers_split_by_its_bucket(emu_cupy, monkeypatch, kind, kv_len, chunks):
+    """The paged decode kernel reads the tables (as wide as the bucket's blocks) and lengths of a PagedDeviceStep's
+    device buffers, not its host fields, and flash-decoding cuts the bucket's positions, not the longest
+    length's (a captured grid must hold at every replay): the spec's numbers and appended rows either way."""
+    from hpcinfer.backend.cupy_ops import CupyOps
+
+    grids, real = [], CupyOps._kernel
+
+    def spy(self, name, function, **defines):
+        fn = real(self, name, function, **defines)
+        return lambda *args: grids.append((function, args[0])) or fn(*args)
+    monkeypatch.setattr(CupyOps, "_kernel", spy)
+    ops = CupyOps(device=0)
+    ops._sm_count = 0 if chunks is None else 132
+    device = None if kv_len is None and chunks == 3 else (lambda cp, step: stale_device_step(cp, step, kv_len))
+    check_against_numpy(emu_cupy, ops, kind, 4, 4, 2, 16, device=device)
+    if chunks is None:
+        assert [f for f, _ in grids] == ["paged_decode_attention"]
+    else:
+        assert [(f, grid[2]) for f, grid in grids if f == "paged_decode_attention_split"] == [
+            ("paged_decode_attention_split", chunks)]
 
 
 @pytest.mark.parametrize("sms, kind, want", [

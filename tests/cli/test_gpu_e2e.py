@@ -2,7 +2,8 @@
 
 1. Greedy tokens of a dense preset (GPT-2-like, and a Llama-like one with GQA and rotary) equal between the CuPy
    backend and NumPy, eager and with CUDA graphs (the graphs captured, not only run eagerly); an MoE preset eager
-   (MoE layers are never captured: config refuses them).
+   (MoE layers are never captured: config refuses them). The continuous schedule over the paged pool, eager and
+   with its decode steps captured per (padded rows, KV bucket) (generate/graphs.PagedDecodeGraphs), gives them too.
 2. NCCL: a one-rank communicator's all-reduce, eager and captured in a CUDA graph and replayed (a one-rank group of
    the runtime makes no communicator, so the test makes one: the only NCCL a one-GPU machine can run).
 3. Two ranks sharing the GPU over `comm = "mpi"`, tp = 2: `hpcinfer run` writes the tokens of one rank.
@@ -73,10 +74,14 @@ def test_greedy_tokens_equal_numpy(name, cuda_graphs):
         assert times.graph_replays == NEW_TOKENS - 1
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-llama-gqa"])
-def test_continuous_batching_on_the_gpu_gives_the_static_numpy_tokens(name):
-    """The paged KV pool on the device (cuda_src/paged_attention.cu): chunked prompts, mixed steps, preemption."""
+def test_continuous_batching_on_the_gpu_gives_the_static_numpy_tokens(name, cuda_graphs):
+    """The paged KV pool on the device (cuda_src/paged_attention.cu): chunked prompts, mixed steps, preemption; with
+    graphs, every decode step from a graph (running sets of 1 to 3 sequences: padded to 1, 2 and 4 rows), none
+    eager, each key captured once."""
     from hpcinfer.backend.cupy_ops import CupyOps
+    from hpcinfer.generate.graphs import paged_decode_graphs
     from hpcinfer.generate.paged_cache import PagedKVCache
     from hpcinfer.generate.runner import Runner
     from hpcinfer.generate.schedules.continuous import ContinuousParams, run_continuous
@@ -88,10 +93,16 @@ def test_continuous_batching_on_the_gpu_gives_the_static_numpy_tokens(name):
     model = Decoder(CupyOps(device=0), Groups(), source.arch).load(source)
     got, times = {}, StepTimes()
     cache = PagedKVCache(model.ops, model.num_local_layers, 14, model.kv_heads_local, 4, source.arch.head_dim)
-    run_continuous(Runner(model, GenerationParams(NEW_TOKENS, ignore_eos=True)), prompts, list(range(6)), times,
-                   ContinuousParams(3, 8), cache, lambda done: got.update({s.index: s.generated for s in done}))
+    runner = Runner(model, GenerationParams(NEW_TOKENS, ignore_eos=True))
+    graphs = paged_decode_graphs(runner, cache, cuda_graphs)
+    run_continuous(runner, prompts, list(range(6)), times, ContinuousParams(3, 8), cache,
+                   lambda done: got.update({s.index: s.generated for s in done}), graphs=graphs)
     assert [got[i] for i in range(6)] == want
     assert times.preemptions > 0
+    if cuda_graphs:
+        assert graphs.eager_steps == 0 and graphs.replays == graphs.steps > graphs.captures >= 1
+        assert graphs.captures == len(graphs.graph.captured)
+        graphs.close()
 
 
 def test_nccl_one_rank_all_reduce_eager_and_captured():

@@ -178,6 +178,22 @@ def test_numpy_backend_gets_no_paged_graphs():
     assert paged_decode_graphs(runner, cache, True) is None and paged_decode_graphs(runner, cache, False) is None
 
 
+def test_a_quantized_pool_runs_eagerly_and_says_so(emu_cupy, caplog):
+    """Its blocks are gathered through host-made indices (paged_attention.through_dense): not captured."""
+    from hpcinfer.backend.cupy_ops import CupyOps
+    from hpcinfer.quant.kv import kv_format
+
+    source = tiny_models()["gpt2-like"]
+    model = Decoder(CupyOps(device=0), Groups(), source.arch).load(source)
+    runner, hd = Runner(model, GenerationParams(1)), source.arch.head_dim
+    cache = PagedKVCache(model.ops, model.num_local_layers, 4, model.kv_heads_local, 16, hd)
+    assert paged_decode_graphs(runner, cache, True) is not None
+    cache = PagedKVCache(model.ops, model.num_local_layers, 4, model.kv_heads_local, 16, hd, kv_format("int8", 16, hd))
+    with caplog.at_level("WARNING", logger="hpcinfer"):
+        assert paged_decode_graphs(runner, cache, True) is None
+    assert "over the int8 KV pool run eagerly" in caplog.text
+
+
 def test_cuda_graphs_no_longer_keep_a_job_off_continuous_batching(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text('[model]\ncheckpoint = "m.h5"\n\n[generate]\nprompts = "p.jsonl"\noutput = "o.jsonl"\n')
