@@ -269,8 +269,6 @@ def unsupported(config) -> list[str]:
         why.append("[offload] runs fixed blocks by design (FlexGen's zig-zag and ZeRO-Inference's row schedules)")
     if config.schedule.kv_offload_bytes:
         why.append("[schedule] kv_offload_threshold moves the static schedule's dense KV cache by layer parity")
-    if config.runtime.cuda_graphs:
-        why.append("[runtime] cuda_graphs captures the static schedule's decode steps (paged steps run eagerly)")
     return why + paged_supports(config.model.kv_cache, config.generate.attention_topk)
 
 
