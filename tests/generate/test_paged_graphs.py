@@ -199,3 +199,41 @@ def test_cuda_graphs_no_longer_keep_a_job_off_continuous_batching(tmp_path):
     path.write_text('[model]\ncheckpoint = "m.h5"\n\n[generate]\nprompts = "p.jsonl"\noutput = "o.jsonl"\n')
     config = load_config(str(path), ["runtime.cuda_graphs=true", "runtime.backend='cupy'"])
     assert unsupported(config) == [] and batching_mode(config) == "continuous"
+
+
+def test_a_later_stage_replays_from_received_activations(emu_cupy):
+    """pp = 2 by hand, as the continuous schedule's stages run (schedules/continuous_stages.StageStep): each stage
+    its own pool over the same block tables and its own paged graphs; stage 1 gets stage 0's activations [S, D]
+    (padded to the graph's rows with the token ids' zeros), from the host (MPI) or the device (NCCL). Its logits
+    equal one eager stage's over 3 decode steps of 3 sequences (one key: captured, then replayed)."""
+    from hpcinfer.backend.cupy_ops import CupyOps
+    from hpcinfer.parallel.stages import StageSpec
+
+    source = tiny_models()["llama-like"]
+    arch, ops = source.arch, CupyOps(device=0, kernels=True)
+    models = [Decoder(ops, Groups(), arch).load(source)]
+    models += [Decoder(ops, Groups(), arch, stage=StageSpec(s, 2, 2 * s, 2 * s + 2)).load(source) for s in (0, 1)]
+    runners = [Runner(m, GenerationParams(1)) for m in models]
+    caches = [PagedKVCache(ops, m.num_local_layers, 12, m.kv_heads_local, 4, arch.head_dim) for m in models]
+    lengths = [5, 9, 3]
+    prompts = prompts_for(arch.vocab_size, lengths)
+    for cache in caches:
+        for s, n in enumerate(lengths):
+            cache.tables.grow(s, n)
+    layout = caches[0].layout([0, 1, 2], [0, 0, 0], lengths)
+    want = runners[0].forward(caches[0], {"tokens": np.concatenate(prompts)}, layout)
+    x = runners[1].forward(caches[1], {"tokens": np.concatenate(prompts)}, layout)
+    runners[2].forward(caches[2], {"x": x}, layout)
+    graphs = [paged_decode_graphs(r, c, True) for r, c in zip(runners[1:], caches[1:])]
+    for j in range(3):
+        tokens = np.argmax(ops.to_host(want), axis=-1)
+        for cache in caches:
+            for s in range(3):
+                cache.tables.grow(s, lengths[s] + j + 1)
+        layout = caches[0].layout([0, 1, 2], [n + j for n in lengths], [1, 1, 1])
+        want = runners[0].forward(caches[0], {"tokens": tokens}, layout)
+        x = graphs[0](layout, {"tokens": tokens})
+        assert x.shape == (3, arch.hidden_size)
+        got = graphs[1](layout, {"x": ops.to_host(x) if j % 2 else x.copy()})
+        np.testing.assert_allclose(ops.to_host(got), ops.to_host(want), rtol=1e-5, atol=1e-5)
+    assert [(g.captures, g.replays) for g in graphs] == [(1, 3), (1, 3)]
