@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_fails_once_and_clearly, output_records
+from cli_helpers import output_records
 
 REPO = Path(__file__).resolve().parents[2]
 GGUF = REPO / os.environ.get("HPCINFER_SMOLLM2_GGUF", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -85,15 +85,17 @@ def test_quantized_at_load_gives_identical_tokens_at_tp1_and_tp3(run_cli, repo_r
 
 
 @needs_gguf
-def test_quantize_setting_on_a_kept_checkpoint_is_refused_with_usable_advice(run_cli, repo_root, job, kept,
-                                                                            tmp_path):
-    """`[model] quantize = "int4"` on a GGUF-kept checkpoint: exit 2 before loading; the advice names
-    quantize = "none" (an allowed value), never "gguf" (which the config rejects)."""
-    config = job / "conflict.toml"
+def test_quantize_int4_on_a_kept_checkpoint_keeps_its_blocks(run_cli, repo_root, job, kept, tmp_path):
+    """`[model] quantize = "int4"` on a GGUF-kept checkpoint (issue 22): its Q4_1 blocks already are 4 bits and its
+    Q8_0 embedding 8 bits (int4's default for the embedding), so every block is kept: the same tokens as running it
+    with quantize = "none", and one log line names the groups (the source's grid of 32)."""
+    kept_as_is = run(run_cli, repo_root, job, kept, tmp_path / "none", 1)
+    config = job / "job.toml"
     config.write_text(f'[model]\ncheckpoint = "{kept}"\nquantize = "int4"\n[generate]\n'
-                      f'prompts = "{job / "p.jsonl"}"\noutput = "{tmp_path / "output.jsonl"}"\n'
-                      f'metrics = "{tmp_path / "metrics.json"}"\nmax_new_tokens = 2\n')
-    done = run_cli(["run", str(config)], cwd=repo_root)
-    assert_fails_once_and_clearly(done, tmp_path, ["quantize = 'int4'", str(kept), 'quantize = "none"',
-                                                   "--keep-quantized"])
-    assert '"gguf"' not in done.stderr
+                      f'prompts = "{job / "p.jsonl"}"\noutput = "{tmp_path / "int4" / "output.jsonl"}"\n'
+                      f"max_new_tokens = 4\nignore_eos = true\n")
+    done = run_cli(["run", str(config)], timeout=300, cwd=repo_root)
+    assert done.returncode == 0, done.stderr
+    assert "[rank 0] int4 in groups of 32, on the source's block grid (q4_1; no group size given)" in done.stderr
+    tokens = [r["output_tokens"] for r in output_records(tmp_path / "int4")]
+    assert tokens == [r["output_tokens"] for r in kept_as_is] and all(len(t) == 4 for t in tokens)
