@@ -39,7 +39,8 @@ def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None
     commits = CommitPoints(mine, points, _announced(end_round, link), lockstep)
     sch = config.schedule
     micro_batches = (sch.gen_micro_batches or mesh.shape.pp) if link is not None else 1
-    params = ContinuousParams(running, sch.step_tokens(running), min(micro_batches, running))
+    exact = model.kv_format is not None or 0 < g.attention_topk < 1       # step-dependent arithmetic: as static
+    params = ContinuousParams(running, sch.step_tokens(running), min(micro_batches, running), exact)
     served = run_continuous(runner, [job.prompts[i].tokens for i in mine], mine, times, params, cache,
                             commits.after_step, lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} of "
                             f"{g.prompts})", lockstep, paged_decode_graphs(runner, cache, config.runtime.cuda_graphs),
@@ -55,13 +56,14 @@ def _paged_cache(model, config, mesh, running: int, longest: int) -> PagedKVCach
     sequences at their longest; with pp > 1 every stage takes the smallest stage's block count (the first stage's
     block tables index every stage's pool)."""
     sch = config.schedule
-    per_block = block_bytes(model.num_local_layers, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
+    per_block = block_bytes(model.num_local_layers, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim,
+                            model.kv_format)
     nbytes = sch.kv_memory_bytes(lambda: free_bytes(model.ops, mesh.ranks_per_node))
     blocks = max(1, pool_blocks(nbytes, per_block, running, longest, sch.kv_block_size))
     if mesh.shape.pp > 1:
         blocks = int(mesh.pp.all_gather(np.array([blocks], dtype=np.int64)).min())
     return PagedKVCache(model.ops, model.num_local_layers, blocks, model.kv_heads_local, sch.kv_block_size,
-                        model.arch.head_dim)
+                        model.arch.head_dim, model.kv_format)
 
 
 def _announced(end_round, link):

@@ -8,6 +8,10 @@ import json
 
 import pytest
 
+from hpcinfer.checkpoint.presets import PRESETS
+from hpcinfer.generate.paged_cache import block_bytes
+from hpcinfer.quant.kv import kv_format
+
 N_PROMPTS, MAX_NEW, BATCH = 14, 20, 3
 
 
@@ -67,12 +71,11 @@ def test_continuous_writes_the_static_file(job, run_cli, static_file, tmp_path, 
 
 @pytest.mark.parametrize("overrides, message", [
     (['schedule.batching="continuous"', 'offload.schedule="zigzag"'], "[offload] runs fixed blocks by design"),
-    (['schedule.batching="continuous"', "generate.attention_topk=0.5"], "attention_topk"),
     (['schedule.kv_cache_memory="150%"'], "schedule.kv_cache_memory = '150%' must be a percentage in (0, 100]"),
     (["schedule.max_batch_tokens=2"], "schedule.max_batch_tokens = 2 is below [generate] batch_size = 3"),
     (['schedule.batching="eager"'], "schedule.batching = 'eager' is not allowed; choose one of auto, continuous, "),
     (['schedule.kv_cache_memory="10KB"', "schedule.kv_block_size=4"], "prompt 'q0' (line 1 of "),
-], ids=["offload", "topk", "percent", "tokens", "choice", "too-small"])
+], ids=["offload", "percent", "tokens", "choice", "too-small"])
 def test_unsupported_or_bad_values_are_one_clear_error(job, run_cli, tmp_path, overrides, message):
     out = tmp_path / "out.jsonl"
     done = run(run_cli, job, out, *overrides)
@@ -96,4 +99,30 @@ def test_moe_replicas_stepping_together_write_the_static_file(job, run_cli, tmp_
         files[mode] = out.read_bytes()
         batching = json.loads(out.with_name(f"{mode}.jsonl.metrics").read_text())["batching"]
         assert batching["mode"] == mode
+    assert files["continuous"] == files["static"] and files["static"].count(b"\n") == N_PROMPTS
+
+
+@pytest.mark.parametrize("n, mode, overrides", [
+    (1, "int4", ["generate.attention_topk=0.5"]),
+    (2, "int8", ["parallel.pp=2"]),
+], ids=["int4-topk", "int8-pp2"])
+def test_quantized_kv_and_top_k_write_the_static_file(job, run_cli, tmp_path, n, mode, overrides):
+    """int8 / int4 rows in the paged blocks and top-k over them, with a pool small enough to preempt and a step
+    budget below the prompts: the file equals the static schedule's with the same settings (prompts enter whole,
+    recomputed tokens one a step, as static feeds them)."""
+    arch, pp = PRESETS["tiny-dense"], 2 if "parallel.pp=2" in overrides else 1
+    pool = 14 * block_bytes(arch.num_layers // pp, arch.num_kv_heads, 4, arch.head_dim, kv_format(mode, 64, 16))
+    tight = [f"schedule.kv_cache_memory={pool}", "schedule.kv_block_size=4", "schedule.max_batch_tokens=5"]
+    overrides = [f'model.kv_cache="{mode}"', *overrides]
+    files = {}
+    for mode in ("static", "continuous"):
+        out = tmp_path / f"{mode}.jsonl"
+        done = run(run_cli, job, out, f'schedule.batching="{mode}"', *overrides, *(tight if mode == "continuous"
+                                                                                    else []), n=n)
+        assert done.returncode == 0, done.stderr
+        files[mode] = out.read_bytes()
+        batching = json.loads(out.with_name(f"{mode}.jsonl.metrics").read_text())["batching"]
+        assert batching["mode"] == mode
+        if mode == "continuous":
+            assert batching["preemptions"] > 0
     assert files["continuous"] == files["static"] and files["static"].count(b"\n") == N_PROMPTS

@@ -43,6 +43,7 @@ class ContinuousParams:
     batch_size: int          # running sequences at most ([generate] batch_size)
     max_batch_tokens: int    # tokens per step ([schedule] max_batch_tokens, >= batch_size)
     micro_batches: int = 1   # steps in flight at once: pp > 1 keeps every stage busy ([schedule] gen_micro_batches)
+    whole_prompts: bool = False   # feed steps as static does: a prompt whole, a recomputed token one per step
 
     @property
     def step_sequences(self) -> int:
@@ -131,17 +132,32 @@ class ContinuousScheduler:
         budget, room = self.params.step_tokens, self.params.step_sequences
         idle = [r for r in self.running if r.seq.index not in self.busy]
         plan = []
-        for r in [r for r in idle if r.pending == 1] + [r for r in idle if r.pending > 1]:
-            if budget == 0 or len(plan) == room:
+        prefill = [r for r in idle if r.pending > 1]
+        for r in [r for r in idle if r.pending == 1] + prefill:
+            if budget <= 0 or len(plan) == room:
                 break
             if r not in self.running:                      # preempted while planning this step
                 continue
-            count = min(r.pending, budget)
+            count = self._tokens(r, budget, oldest=bool(prefill) and r is prefill[0])
+            if count == 0:
+                continue                                   # a whole prompt that waits for a step with room
             if not self._reserve(r, r.computed + count):
                 continue                                   # r was preempted, or waits for blocks in flight
             plan.append((r, count))
             budget -= count
         return [(r, n) for r, n in plan if r in self.running]
+
+    def _tokens(self, r: _Running, budget: int, oldest: bool) -> int:
+        """Tokens of r the step feeds: as many as the budget allows; with whole_prompts (a quantized KV cache or
+        top-k attention, whose arithmetic depends on how positions are grouped into steps) as the static
+        schedule feeds them: the prompt whole (the oldest prompt even past the budget, so that none starves), then
+        one token a step (a preempted sequence's generated tokens are recomputed as the decode steps they were)."""
+        if not self.params.whole_prompts:
+            return min(r.pending, budget)
+        if r.computed > 0:
+            return 1
+        prompt = len(r.seq.prompt)
+        return prompt if prompt <= budget or oldest else 0
 
     def _reserve(self, r: _Running, length: int) -> bool:
         """Blocks for `length` positions of r, preempting the newest idle running sequences until they fit; False
