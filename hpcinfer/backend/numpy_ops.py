@@ -9,6 +9,8 @@ S=sequences in the step, L=cached positions, N=cache slots.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..quant.formats import dequantize, slice_rows, take_rows
@@ -18,6 +20,7 @@ from .transfer import HostCopies
 
 F32 = np.float32
 SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
+SCORE_BLOCK = 1 << 18    # floats of one block of causal attention scores (1 MiB)
 QUANT_TILE = 4096         # output rows dequantized per step by linear_q (a 4096 x 4096 float32 tile is 64 MiB)
 
 
@@ -204,17 +207,26 @@ class NumpyOps:
 
     @staticmethod
     def _causal_attention(q, k_seq, v_seq, start: int, scale: float):
-        """One sequence: q [n, H, hd] at positions start..start+n-1; k_seq, v_seq [Hkv, Lmax, hd] -> [n, H*hd]."""
+        """One sequence: q [n, H, hd] at positions start..start+n-1; k_seq, v_seq [Hkv, >= start + n, hd] ->
+        [n, H*hd]. In blocks of query rows (flash-attention's tiling without its running softmax: a block's
+        scores span all the keys it sees): block [a, b) attends positions 0 .. start + b - 1 only, so the scores
+        never materialize at [n, L], a block's stay in cache, the future beyond a block is never computed, and only
+        its own last b - a key columns need the causal mask. The g query heads of a KV head are rows of one GEMM."""
         n, heads, hd = q.shape
         kv_heads = k_seq.shape[0]
-        group, length = heads // kv_heads, start + n
-        qg = (q * F32(scale)).transpose(1, 0, 2).reshape(kv_heads, group * n, hd)   # [Hkv, g*n, hd]
-        scores = (qg @ k_seq[:, :length].transpose(0, 2, 1)).reshape(kv_heads, group, n, length)
-        if n > 1:
-            scores += _causal_mask(start, n, length)                                  # [n, L] of 0 / -inf
-        probs = _softmax(scores).reshape(kv_heads, group * n, length)
-        out = probs @ v_seq[:, :length]                                                # [Hkv, g*n, hd]
-        return out.reshape(heads, n, hd).transpose(1, 0, 2).reshape(n, heads * hd)
+        group = heads // kv_heads
+        qg = (q * F32(scale)).reshape(n, kv_heads, group, hd).transpose(1, 0, 2, 3).copy()   # [Hkv, n, g, hd]
+        out = np.empty((kv_heads, n, group, hd), dtype=F32)
+        rows = _query_block(kv_heads * group, start + n)
+        for a in range(0, n, rows):
+            b = min(a + rows, n)
+            length = start + b
+            scores = qg[:, a:b].reshape(kv_heads, (b - a) * group, hd) @ k_seq[:, :length].transpose(0, 2, 1)
+            if b - a > 1:                                       # [Hkv, (b-a) g, L]: the block's own columns
+                scores[:, :, start + a:] += _block_mask(b - a, group)
+            probs = _softmax(scores)
+            out[:, a:b] = (probs @ v_seq[:, :length]).reshape(kv_heads, b - a, group, hd)
+        return out.transpose(1, 0, 2, 3).reshape(n, heads * hd)
 
     @staticmethod
     def _decode_attention(q, cache_k, cache_v, step: StepLayout, scale: float):
@@ -300,10 +312,18 @@ class NumpyOps:
         return np.argmax(logits, axis=-1)
 
 
-def _causal_mask(start: int, n: int, length: int) -> np.ndarray:
-    """[n, L]: 0 where token i (at position start + i) may attend to position j, -inf for the future."""
-    future = np.arange(length)[None, :] > (start + np.arange(n))[:, None]
-    return np.where(future, F32(-np.inf), F32(0))
+def _query_block(rows_per_query: int, length: int) -> int:
+    """Query positions per block of causal attention: a block's scores [Hkv, rows g, L] about SCORE_BLOCK floats
+    (in cache), at least 16 positions."""
+    return max(16, SCORE_BLOCK // max(1, rows_per_query * length))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(n: int, group: int) -> np.ndarray:
+    """[n g, n]: the causal mask of a block's n query positions (each repeated for its g heads) over its own n key
+    positions: 0 on and below the diagonal, -inf above."""
+    future = np.arange(n)[None, :] > np.arange(n)[:, None]
+    return np.repeat(np.where(future, F32(-np.inf), F32(0)), group, axis=0)
 
 
 # Abramowitz & Stegun 7.1.26: |erf error| < 1.5e-7 (6e-7 in float32 arithmetic, measured), in float32 vector ops:

@@ -117,6 +117,28 @@ def test_chunked_prefill_continues_from_cache():
     np.testing.assert_allclose(out, naive_attention(q, k, v, 0.5)[4:], atol=1e-5)
 
 
+@pytest.mark.parametrize("start, n, score_block", [(0, 70, 1 << 18), (0, 70, 600), (23, 50, 900), (40, 1, 100)],
+                         ids=["one-block", "blocks", "blocks-after-cache", "decode-row"])
+def test_causal_attention_in_query_blocks_matches_the_whole_score_matrix(monkeypatch, start, n, score_block):
+    """_causal_attention tiles the queries (SCORE_BLOCK floats of scores a block, at least 16 positions): with
+    small budgets the blocks, a partial last block and the diagonal masks are exercised; every tiling gives the
+    untiled reference, softmax over each row's whole causal prefix."""
+    import hpcinfer.backend.numpy_ops as numpy_ops
+
+    monkeypatch.setattr(numpy_ops, "SCORE_BLOCK", score_block)
+    heads, kv_heads, hd, scale = 6, 2, 8, 0.3
+    q = randn(n, heads, hd)
+    k_seq, v_seq = randn(kv_heads, start + n + 5, hd), randn(kv_heads, start + n + 5, hd)   # + unread rows
+    got = NumpyOps._causal_attention(q, k_seq, v_seq, start, scale)
+    group = heads // kv_heads
+    scores = np.einsum("nhd,hld->hnl", q.astype(np.float64) * scale, np.repeat(k_seq[:, :start + n], group, 0))
+    scores[:, np.arange(start + n)[None, :] > (start + np.arange(n))[:, None]] = -np.inf
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("hnl,hld->nhd", probs, np.repeat(v_seq[:, :start + n], group, 0)).reshape(n, heads * hd)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
 def test_embedding_gathers_rows():
     table = randn(10, 3)
     np.testing.assert_array_equal(ops.embedding(table, np.array([3, 3, 9])), table[[3, 3, 9]])
