@@ -41,10 +41,14 @@ def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None
     micro_batches = (sch.gen_micro_batches or mesh.shape.pp) if link is not None else 1
     exact = model.kv_format is not None or 0 < g.attention_topk < 1       # step-dependent arithmetic: as static
     params = ContinuousParams(running, sch.step_tokens(running), min(micro_batches, running), exact)
-    served = run_continuous(runner, [job.prompts[i].tokens for i in mine], mine, times, params, cache,
-                            commits.after_step, lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} of "
-                            f"{g.prompts})", lockstep, paged_decode_graphs(runner, cache, config.runtime.cuda_graphs),
-                            link, end_round)
+    graphs = paged_decode_graphs(runner, cache, config.runtime.cuda_graphs)
+    try:
+        served = run_continuous(runner, [job.prompts[i].tokens for i in mine], mine, times, params, cache,
+                                commits.after_step, lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} of "
+                                f"{g.prompts})", lockstep, graphs, link, end_round)
+    finally:
+        if graphs is not None:
+            graphs.close()                              # the graphs' private memory pool
     if model.stage.is_first:
         commits.finish()
     times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.nbytes)     # the pool, allocated whole

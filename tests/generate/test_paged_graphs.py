@@ -41,7 +41,7 @@ def prompts_for(vocab: int, lengths=PROMPT_LENGTHS) -> list:
 
 def run(model, prompts, cuda_graphs: bool):
     """The continuous schedule over a pool of 16-position blocks -> (tokens in prompt order, the graphs or None,
-    the layout of every step the runner ran, the layout of every forward pass)."""
+    the layout of every step the runner ran, the layout of every forward pass, the run's StepTimes)."""
     runner = Runner(model, GenerationParams(NEW_TOKENS, ignore_eos=True))
     cache = PagedKVCache(model.ops, model.num_local_layers, 40, model.kv_heads_local, 16, model.arch.head_dim)
     steps, forwards, out = [], [], {}
@@ -54,9 +54,10 @@ def run(model, prompts, cuda_graphs: bool):
         out.update({s.index: s.generated for s in finished})
         return False
 
-    run_continuous(runner, prompts, list(range(len(prompts))), StepTimes(), ContinuousParams(BATCH, STEP_TOKENS),
+    times = StepTimes()
+    run_continuous(runner, prompts, list(range(len(prompts))), times, ContinuousParams(BATCH, STEP_TOKENS),
                    cache, after_step, graphs=graphs)
-    return [out[i] for i in range(len(prompts))], graphs, steps, forwards
+    return [out[i] for i in range(len(prompts))], graphs, steps, forwards, times
 
 
 def decode_keys(steps) -> set:
@@ -70,10 +71,10 @@ def test_continuous_tokens_with_graphs_equal_eager_and_numpy(emu_cupy, name):
 
     source = tiny_models()[name]
     prompts = prompts_for(source.arch.vocab_size)
-    want, _, _, _ = run(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, False)
+    want, *_ = run(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, False)
     model = Decoder(CupyOps(device=0, kernels=True), Groups(), source.arch).load(source)
-    eager, none, _, _ = run(model, prompts, False)
-    got, graphs, steps, _ = run(model, prompts, True)
+    eager, none, *_ = run(model, prompts, False)
+    got, graphs, steps, _, run_times = run(model, prompts, True)
     assert none is None and eager == want and got == want
     decode = [s for s in steps if s.is_decode and s.num_seqs]
     keys = decode_keys(decode)
@@ -82,10 +83,10 @@ def test_continuous_tokens_with_graphs_equal_eager_and_numpy(emu_cupy, name):
     assert sorted(graphs.graph.captured) == sorted(keys) and graphs.captures == len(keys)      # once per key
     assert graphs.steps == len(decode) > len(keys)                 # every decode step here; mixed ones eager
     assert (graphs.replays, graphs.eager_steps) == (len(decode), 0)
-    times = StepTimes()
-    graphs.record(times)
-    graphs.record(times)                                           # nothing new: adds nothing
-    assert (times.graph_captures, times.graph_replays, times.graph_eager_steps) == (len(keys), len(decode), 0)
+    counted = (len(keys), len(decode), 0)
+    assert (run_times.graph_captures, run_times.graph_replays, run_times.graph_eager_steps) == counted  # recorded
+    graphs.record(run_times)                                       # nothing new: adds nothing
+    assert (run_times.graph_captures, run_times.graph_replays, run_times.graph_eager_steps) == counted
     graphs.close()
 
 
@@ -141,9 +142,9 @@ def test_keys_that_call_cublas_run_eagerly_on_their_real_rows(emu_cupy):
 
     source = tiny_models()["gpt2-like"]
     prompts = prompts_for(source.arch.vocab_size)
-    want, _, _, _ = run(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, False)
+    want, *_ = run(Decoder(NumpyOps(), Groups(), source.arch).load(source), prompts, False)
     model = Decoder(CupyOps(device=0, kernels=False), Groups(), source.arch).load(source)
-    got, graphs, steps, forwards = run(model, prompts, True)
+    got, graphs, steps, forwards, _ = run(model, prompts, True)
     assert got == want
     decode = [s for s in steps if s.is_decode and s.num_seqs]
     keys = decode_keys(decode)

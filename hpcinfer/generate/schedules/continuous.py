@@ -268,14 +268,18 @@ def run_continuous(runner: Runner, prompts: list, indices: list, times: StepTime
     seqs = runner.sequences(prompts, indices)
     check_fits(seqs, cache, name)
     stage_step = StageStep(runner, cache, seqs, times, graphs)
-    if not runner.model.stage.is_first:
-        return serve(stage_step, link, end_round)
-    stage = LocalStage(stage_step) if link is None else FirstStage(stage_step, link)
     try:
-        ContinuousScheduler(stage, cache, seqs, params, times, after_step, lockstep).run()
+        if not runner.model.stage.is_first:
+            return serve(stage_step, link, end_round)
+        stage = LocalStage(stage_step) if link is None else FirstStage(stage_step, link)
+        try:
+            ContinuousScheduler(stage, cache, seqs, params, times, after_step, lockstep).run()
+        finally:
+            stage.close()
+        return []
     finally:
-        stage.close()
-    return []
+        if graphs is not None:                          # the run's captures and replays (its maker closes it)
+            graphs.record(times)
 
 
 def unsupported(config) -> list[str]:
