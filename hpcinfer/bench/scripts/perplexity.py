@@ -167,8 +167,10 @@ def measure(model, windows: list[list[int]], decode: bool = False) -> dict:
 
 
 WEIGHTS = {"float32": ("float32 (smollm2.h5)", {}), "int8": ("int8 per-row, quantized at load", {"quantize": "int8"}),
-           "int4-g64": ("int4 g64, quantized at load", {"quantize": "int4", "group_size": 64}),
-           "int4-g32": ("int4 g32, quantized at load", {"quantize": "int4", "group_size": 32}),
+           "int4-g64": ("int4 g64, quantized at load (embedding / LM head: int8, the default)",
+                        {"quantize": "int4", "group_size": 64}),
+           "int4-g32": ("int4 g32, quantized at load (embedding / LM head: int8, the default)",
+                        {"quantize": "int4", "group_size": 32}),
            "asym8-g64": ("asym8 g64, quantized at load", {"quantize": "asym8", "group_size": 64}),
            "q4_1": ("GGUF Q4_1 kept (g32)", None)}
 CONVERTED = {"q4_1": ("smollm2-q4_1-kept.h5", ["--keep-quantized"]),           # weight mode -> file, convert flags
