@@ -50,3 +50,27 @@ def test_report_rows_are_against_transformers():
     text = chat_cpu.report(result)
     assert "| hpcinfer continuous (batch_size 8) | 50.0 | 4 | 2.50x | 200 | 2 / 2 |" in text
     assert "| transformers (static batches of 8) | 20.0 | 10 | 1.00x | 200 | 2 / 2 |" in text
+
+
+def test_op_clock_counts_outermost_calls_only():
+    """cpu_ops.OpClock: an op called inside another (fused_linear's own linear) is the outer op's time."""
+    import time as _time
+
+    from hpcinfer.bench.scripts.cpu_ops import OpClock
+
+    class Ops:
+        def linear(self, x):
+            _time.sleep(0.01)
+            return x
+
+        def fused_linear(self, x):
+            return self.linear(x)
+
+    ops = Ops()
+    clock = OpClock(ops, ("linear", "fused_linear"))
+    ops.fused_linear(1)
+    ops.linear(2)
+    taken = clock.take()
+    assert set(taken) == {"linear", "fused_linear"}
+    assert 0.01 <= taken["fused_linear"] < 0.05 and 0.01 <= taken["linear"] < 0.05
+    assert clock.take() == {}

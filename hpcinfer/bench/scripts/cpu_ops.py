@@ -1,0 +1,214 @@
+"""python -m hpcinfer.bench.scripts.cpu_ops: where one step of the NumPy backend goes, op by op (issue 23).
+
+On SmolLM2 float32 over the continuous schedule's paged KV cache: a decode step of `--batch` sequences at a few
+context lengths, and a prefill of batch x length prompts, each timed `--repeats` times after a warm-up (medians).
+Every call of the Ops seam (backend/interface.Ops) the model makes is timed by wrapping the ops object's methods;
+a decode step's projections are reported as weight bytes read per second and its attention as K/V bytes read per
+second, next to the machine's read bandwidth (scripts/cpu.Bandwidth, measured in the same run). Also the same
+prefill in transformers, as the issue's prefill target compares them.
+
+    python -m hpcinfer.bench.scripts.cpu_ops [--batch 8] [--contexts 128,400,1024] [--prefill 16x128,8x414]
+
+Writes bench/results/cpu-ops-<date>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from ...api import load_model
+from ...backend.interface import StepLayout
+from ...generate.paged_cache import PagedKVCache
+from ...quant.kv import kv_bytes_per_token
+from ..chat_workload import CHECKPOINT, GGUF
+from ..common import git_commit, logger, machine_info, median
+from ..hf_baseline import Transformers
+from .cpu import Bandwidth
+from .results import write_results
+
+OPS = ("embedding", "linear", "fused_linear", "rms_norm", "layer_norm", "rotary", "attention", "activation",
+       "gated_activation", "argmax")
+BLOCK = 16
+log = logger("bench.cpu_ops")
+
+
+class OpClock:
+    """Wraps the named methods of an ops object: seconds per op name, summed until `take()`. Only the outermost
+    call counts (fused_linear's own norm and linear calls are fused_linear's time)."""
+
+    def __init__(self, ops, names=OPS):
+        self.seconds: dict = defaultdict(float)
+        self.depth = 0
+        for name in names:
+            setattr(ops, name, self._timed(name, getattr(ops, name)))
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            self.depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seconds[name] += time.perf_counter() - t0
+        return timed
+
+    def take(self) -> dict:
+        taken, self.seconds = dict(self.seconds), defaultdict(float)
+        return taken
+
+
+class Steps:
+    """SmolLM2 on the NumPy backend with a paged cache big enough for the runs below."""
+
+    def __init__(self, checkpoint, sequences: int, longest: int):
+        self.model = load_model(str(checkpoint))
+        self.clock = OpClock(self.model.ops)
+        m, arch = self.model, self.model.arch
+        self.cache = PagedKVCache(m.ops, m.num_local_layers, sequences * -(-longest // BLOCK), m.kv_heads_local,
+                                  BLOCK, arch.head_dim)
+        self.rng = np.random.default_rng(0)
+
+    def prefill(self, ids: list, lengths: list) -> float:
+        """One packed prompt step of sequences `ids` with `lengths` tokens each (their blocks taken): seconds."""
+        for i, n in zip(ids, lengths):
+            self.cache.tables.release(i)
+            self.cache.tables.grow(i, n + 1)
+        layout = self.cache.layout(ids, [0] * len(ids), lengths)
+        tokens = self.rng.integers(1, self.model.arch.vocab_size, size=sum(lengths))
+        t0 = time.perf_counter()
+        self.model.forward(tokens, layout, self.cache)
+        return time.perf_counter() - t0
+
+    def decode(self, ids: list, context: int) -> float:
+        """One decode step of `ids` at position `context` (rewritten in place at every repeat): seconds."""
+        layout = self.cache.layout(ids, [context] * len(ids), [1] * len(ids))
+        tokens = self.rng.integers(1, self.model.arch.vocab_size, size=len(ids))
+        t0 = time.perf_counter()
+        self.model.forward(tokens, layout, self.cache)
+        return time.perf_counter() - t0
+
+    def repeat(self, fn, repeats: int) -> tuple[float, dict]:
+        """fn() once to warm up, then `repeats` times: (median seconds, median seconds per op)."""
+        fn()
+        self.clock.take()
+        runs = []
+        for _ in range(repeats):
+            seconds = fn()
+            runs.append((seconds, self.clock.take()))
+        ops = {name: median(r[1].get(name, 0.0) for r in runs) for name in runs[0][1]}
+        return median(r[0] for r in runs), ops
+
+
+def vars_arrays(obj, seen=None) -> list:
+    """The 2-D float arrays held by obj's attributes, recursively (a layer's projection weights)."""
+    seen = set() if seen is None else seen
+    found = []
+    for value in vars(obj).values():
+        if isinstance(value, np.ndarray) and value.ndim == 2 and id(value) not in seen:
+            seen.add(id(value))
+            found.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, type) and id(value) not in seen:
+            seen.add(id(value))
+            found += vars_arrays(value, seen)
+    return found
+
+
+def decode_rows(steps: Steps, batch: int, contexts: list, repeats: int) -> list:
+    model, arch = steps.model, steps.model.arch
+    kv_per_token = kv_bytes_per_token(model.kv_heads_local, arch.head_dim, model.num_local_layers)
+    projections = sum(a.nbytes for a in vars_arrays(model))
+    rows = []
+    for context in contexts:
+        ids = list(range(batch))
+        steps.prefill(ids, [context] * batch)
+        seconds, ops = steps.repeat(lambda: steps.decode(ids, context), repeats)
+        linear_s = ops.get("linear", 0.0) + ops.get("fused_linear", 0.0)
+        kv_bytes = kv_per_token * batch * (context + 1)
+        rows.append({"batch": batch, "context": context, "step_ms": seconds * 1e3,
+                     "ops_ms": {k: v * 1e3 for k, v in sorted(ops.items(), key=lambda kv: -kv[1])},
+                     "weight_bytes": projections, "weight_GBps": projections / linear_s / 1e9 if linear_s else None,
+                     "kv_bytes": kv_bytes, "attention_GBps": kv_bytes / ops["attention"] / 1e9})
+        log(f"decode b{batch} ctx {context}: {seconds * 1e3:.1f} ms")
+    return rows
+
+
+def prefill_rows(steps: Steps, shapes: list, repeats: int, hf) -> list:
+    rows = []
+    for batch, length in shapes:
+        ids = list(range(batch))
+        seconds, ops = steps.repeat(lambda: steps.prefill(ids, [length] * batch), repeats)
+        row = {"batch": batch, "length": length, "step_ms": seconds * 1e3,
+               "ops_ms": {k: v * 1e3 for k, v in sorted(ops.items(), key=lambda kv: -kv[1])},
+               "tokens_per_s": batch * length / seconds}
+        if hf is not None:
+            prompts = np.random.default_rng(1).integers(1, 40000, size=(batch, length)).tolist()
+            hf.generate(prompts, 1)
+            row["transformers_ms"] = median(hf.generate(prompts, 1)[0] for _ in range(repeats)) * 1e3
+        rows.append(row)
+        log(f"prefill {batch}x{length}: {seconds * 1e3:.0f} ms")
+    return rows
+
+
+def report(result: dict) -> str:
+    lines = [f"# One step of the NumPy backend, op by op, {result['date']}", "",
+             f"SmolLM2-135M float32, paged KV (blocks of {BLOCK}); {result['machine'].get('cpu_model')}, "
+             f"{result['machine'].get('cpus_usable')} cores, {result['threads']} BLAS threads; commit "
+             f"{result['commit']}. Read bandwidth {result['bandwidth_GBps']:.1f} GB/s.", "",
+             "| decode | step ms | projections ms (GB/s) | attention ms (GB/s of K/V, share of bandwidth) | other ops ms |",
+             "|---|---|---|---|---|"]
+    bw = result["bandwidth_GBps"]
+    for r in result["decode"]:
+        ops = r["ops_ms"]
+        lin = ops.get("linear", 0) + ops.get("fused_linear", 0)
+        rest = sum(v for k, v in ops.items() if k not in ("linear", "fused_linear", "attention"))
+        lines.append(f"| {r['batch']} x ctx {r['context']} | {r['step_ms']:.1f} | {lin:.1f} ({r['weight_GBps']:.1f}) "
+                     f"| {ops['attention']:.1f} ({r['attention_GBps']:.1f}, {r['attention_GBps'] / bw:.0%}) | {rest:.1f} |")
+    lines += ["", "| prefill | ms | tokens/s | attention ms | projections ms | transformers ms | vs transformers |",
+              "|---|---|---|---|---|---|---|"]
+    for r in result["prefill"]:
+        ops, hf = r["ops_ms"], r.get("transformers_ms")
+        vs = "" if hf is None else f"{hf:.0f} | {hf / r['step_ms']:.2f}x"
+        lines.append(f"| {r['batch']} x {r['length']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
+                     f"{ops['attention']:.0f} | {ops.get('linear', 0) + ops.get('fused_linear', 0):.0f} | "
+                     f"{vs or ' | '} |")
+    return "\n".join(lines + [""])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.cpu_ops", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--contexts", default="128,400,1024")
+    p.add_argument("--prefill", default="16x128,8x414")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    shapes = [tuple(int(v) for v in x.split("x")) for x in args.prefill.split(",")]
+    longest = max(contexts + [n for _, n in shapes]) + 2
+    steps = Steps(CHECKPOINT, max([args.batch] + [b for b, _ in shapes]), longest)
+    bw = Bandwidth(2**30)
+    bw.run(1)
+    bandwidth = max(bw.nbytes / median(t) for t in bw.run(4).values()) / 1e9    # the best kernel's median
+    bw.release()
+    result = {"schema": "hpcinfer-bench-cpu-ops/1", "date": _dt.date.today().isoformat(), "commit": git_commit(),
+              "machine": machine_info(), "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)),
+              "bandwidth_GBps": bandwidth}
+    result["decode"] = decode_rows(steps, args.batch, contexts, args.repeats)
+    hf = None if args.no_hf else Transformers(str(GGUF))
+    result["prefill"] = prefill_rows(steps, shapes, args.repeats, hf)
+    write_results(args.out, "cpu-ops", result, report(result), log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
