@@ -26,6 +26,7 @@ import numpy as np
 from ...api import load_model
 from ...backend.interface import StepLayout
 from ...generate.paged_cache import PagedKVCache
+from ...metrics import held_weight_bytes
 from ...quant.kv import kv_bytes_per_token
 from ..chat_workload import CHECKPOINT, GGUF
 from ..common import git_commit, logger, machine_info, median
@@ -108,24 +109,10 @@ class Steps:
         return median(r[0] for r in runs), ops
 
 
-def vars_arrays(obj, seen=None) -> list:
-    """The 2-D float arrays held by obj's attributes, recursively (a layer's projection weights)."""
-    seen = set() if seen is None else seen
-    found = []
-    for value in vars(obj).values():
-        if isinstance(value, np.ndarray) and value.ndim == 2 and id(value) not in seen:
-            seen.add(id(value))
-            found.append(value)
-        elif hasattr(value, "__dict__") and not isinstance(value, type) and id(value) not in seen:
-            seen.add(id(value))
-            found += vars_arrays(value, seen)
-    return found
-
-
 def decode_rows(steps: Steps, batch: int, contexts: list, repeats: int) -> list:
     model, arch = steps.model, steps.model.arch
     kv_per_token = kv_bytes_per_token(model.kv_heads_local, arch.head_dim, model.num_local_layers)
-    projections = sum(a.nbytes for a in vars_arrays(model))
+    projections = held_weight_bytes(model)               # every weight a decode step reads (tied LM head once)
     rows = []
     for context in contexts:
         ids = list(range(batch))
