@@ -25,10 +25,11 @@ from .interface import StepLayout
 F32 = np.float32
 
 
-def scratch(ops, name: str, shape: tuple, dtype=F32) -> np.ndarray:
+def scratch(ops, name: str, shape: tuple, dtype=F32, store: str = "_kv_scratch") -> np.ndarray:
     """A view of a per-ops buffer `name`, grown when too small and reused by every later call (never shrunk:
-    its size is one layer's rows at the longest step seen)."""
-    store = ops.__dict__.setdefault("_kv_scratch", {})
+    its size is one layer's rows at the longest step seen). `store`: the ops attribute holding the buffers
+    (`_kv_scratch`, the dequantized rows that metrics.dequant_scratch_bytes reports, unless said otherwise)."""
+    store = ops.__dict__.setdefault(store, {})
     need = math.prod(shape)
     buf = store.get(name)
     if buf is None or buf.size < need or buf.dtype != np.dtype(dtype):

@@ -20,7 +20,7 @@ from .transfer import HostCopies
 
 F32 = np.float32
 SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
-SCORE_BLOCK = 1 << 18    # floats of one block of causal attention scores (1 MiB)
+SCORE_BLOCK = 1 << 16    # floats of one KV head's block of causal attention scores (256 KiB)
 QUANT_TILE = 4096         # output rows dequantized per step by linear_q (a 4096 x 4096 float32 tile is 64 MiB)
 
 
@@ -221,7 +221,7 @@ class NumpyOps:
         group = heads // kv_heads
         qg = (q * F32(scale)).reshape(n, kv_heads, group, hd).transpose(1, 0, 2, 3).copy()   # [Hkv, n, g, hd]
         out = np.empty((kv_heads, n, group, hd), dtype=F32)
-        rows = _query_block(kv_heads * group, start + n)
+        rows = _query_block(group, start + n)
         for a in range(0, n, rows):
             b = min(a + rows, n)
             length = start + b
@@ -316,10 +316,11 @@ class NumpyOps:
         return np.argmax(logits, axis=-1)
 
 
-def _query_block(rows_per_query: int, length: int) -> int:
-    """Query positions per block of causal attention: a block's scores [Hkv, rows g, L] about SCORE_BLOCK floats
-    (in cache), at least 16 positions."""
-    return max(16, SCORE_BLOCK // max(1, rows_per_query * length))
+def _query_block(group: int, length: int) -> int:
+    """Query positions per block of causal attention: a block's scores of one KV head [rows g, L] about
+    SCORE_BLOCK floats (in cache), at least 16 positions. Per KV head, so that the blocks, and with them every
+    GEMM's shape, do not depend on how many KV heads this rank holds: tp = 1 and tp = 3 give the same bits."""
+    return max(16, SCORE_BLOCK // max(1, group * length))
 
 
 @functools.lru_cache(maxsize=64)

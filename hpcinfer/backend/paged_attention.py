@@ -72,7 +72,7 @@ def _gathered(ops, name: str, pool, index):
     keep and reuse (kv_attention.scratch): a fresh array a step would cost page faults on every layer (a decode
     step's gather of 8 x 400 positions took twice as long)."""
     hd = pool.shape[-1]
-    out = kv_attention.scratch(ops, f"paged-{name}", (*index.shape, hd))
+    out = kv_attention.scratch(ops, name, (*index.shape, hd), store="_paged_gather")
     return np.take(pool.reshape(-1, hd), index, axis=0, out=out)
 
 

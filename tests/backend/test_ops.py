@@ -139,6 +139,19 @@ def test_causal_attention_in_query_blocks_matches_the_whole_score_matrix(monkeyp
     np.testing.assert_allclose(got, want, atol=2e-6)
 
 
+@pytest.mark.parametrize("n", [1, 40, 300])
+def test_causal_attention_gives_the_same_bits_on_any_share_of_kv_heads(n):
+    """Tensor parallelism splits the KV heads (with their query heads) over ranks: attention over one rank's share
+    must give the bits the whole computes for those heads (the query blocks do not depend on the KV heads held)."""
+    heads, kv_heads, hd, start = 9, 3, 16, 7
+    q = randn(n, heads, hd)
+    k_seq, v_seq = randn(kv_heads, start + n, hd), randn(kv_heads, start + n, hd)
+    whole = NumpyOps._causal_attention(q, k_seq, v_seq, start, 0.25).reshape(n, heads, hd)
+    for h in range(kv_heads):                        # tp = 3: one KV head and its 3 query heads per rank
+        share = NumpyOps._causal_attention(q[:, 3 * h:3 * h + 3], k_seq[h:h + 1], v_seq[h:h + 1], start, 0.25)
+        np.testing.assert_array_equal(share.reshape(n, 3, hd), whole[:, 3 * h:3 * h + 3])
+
+
 def test_embedding_gathers_rows():
     table = randn(10, 3)
     np.testing.assert_array_equal(ops.embedding(table, np.array([3, 3, 9])), table[[3, 3, 9]])

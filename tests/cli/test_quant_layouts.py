@@ -76,11 +76,15 @@ def test_gguf_kept_q4_1_gives_identical_tokens_at_tp1_and_tp3(run_cli, repo_root
 @needs_h5
 @pytest.mark.parametrize("sets", [
     ('model.quantize="int8"',),
-    ('model.quantize="int4"', 'model.kv_cache="int4"', "generate.attention_topk=0.5"),
+    ('model.quantize="int4"', 'model.quantize_embedding="same"', 'model.kv_cache="int4"',
+     "generate.attention_topk=0.5"),
 ], ids=["int8", "int4-weights+int4-kv+topk"])
 def test_quantized_at_load_gives_identical_tokens_at_tp1_and_tp3(run_cli, repo_root, job, tmp_path, sets):
     """int8, and int4 g64 weights with an int4 cache and top-k attention (which also covers int4 weights alone:
-    the same weights, read by the same layers)."""
+    the same weights, read by the same layers). The row-parallel layers' partial sums (o and down projections,
+    summed by the tp all-reduce) round differently from tp = 1's single GEMM in the last bits; top-k over an int4
+    cache can flip on such a difference at a near tie. With issue 22's 8-bit embedding default one such tie falls
+    in these 8 tokens (the 4th token of prompt 1), so this case keeps the int4 embedding it was written with."""
     assert_same_tokens_at(run_cli, repo_root, job, FLOAT_H5, tmp_path, (1, 3), *sets)
 
 
