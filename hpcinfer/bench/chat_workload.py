@@ -37,6 +37,7 @@ QUESTIONS = ("In two or three sentences, what does this part of the Python docum
              "Explain the key idea of this text in plain words.",
              "Write a short question a student could answer after reading this.")
 VLLM_PEER = Path(__file__).with_name("vllm_peer.py")
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")      # Debian's libtcmalloc-minimal4
 
 
 def make_prompts(count: int, seed: int, words: tuple[int, int], prefix: str = "chat") -> list[dict]:
@@ -124,10 +125,20 @@ def export_hf(folder: Path) -> Path:
     a Hugging Face folder, for peers that read that format (vLLM); kept once written."""
     if (folder / "config.json").exists():
         return folder
-    from transformers import AutoTokenizer      # (transformers is a bench-only dependency)
+    from safetensors.torch import save_file     # (transformers and torch are bench-only dependencies)
+    from transformers import AutoTokenizer
 
     hf = Transformers(str(GGUF))
-    hf.model.save_pretrained(folder)
+    config = hf.model.config
+    tied = getattr(config, "tie_word_embeddings", False)
+    weights = {name: tensor.contiguous() for name, tensor in hf.model.state_dict().items()
+               if not (tied and name == "lm_head.weight")}       # (a tied head is the embedding: stored once)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(folder)            # (save_pretrained of the model refuses one loaded from a GGUF)
+    saved = json.loads((folder / "config.json").read_text())
+    saved.pop("quantization_config", None)    # the weights are float32 now, not the GGUF's blocks
+    (folder / "config.json").write_text(json.dumps(saved, indent=2))
     AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name).save_pretrained(folder)
     return folder
 
@@ -135,13 +146,16 @@ def export_hf(folder: Path) -> Path:
 def run_vllm(python: str, model: Path, ids: list, eos: list, max_new: int, max_num_seqs: int, threads: int,
              workdir: Path, timeout_s: float) -> dict:
     """vLLM's offline `LLM.generate` (greedy, float32, EOS stops, at most max_num_seqs sequences at once) in its own
-    Python `python`, on the same token ids: tokens/s over the generate call, and the generated ids."""
+    Python `python` (Debian's tcmalloc and its venv's libiomp5 preloaded where present, as vLLM's CPU docs ask), on
+    the same token ids: tokens/s over the generate call, and the generated ids."""
     request = workdir / f"vllm-{max_num_seqs}.json"
     request.write_text(json.dumps({"model": str(model), "ids": ids, "eos": eos, "max_new": max_new,
                                    "max_num_seqs": max_num_seqs, "threads": threads}))
     answer = request.with_suffix(".out.json")
+    preload = [p for p in (TCMALLOC, Path(python).parent.parent / "lib" / "libiomp5.so") if p.exists()]
+    env = {"LD_PRELOAD": ":".join(map(str, preload))} if preload else {}   # as vLLM's CPU docs ask
     code, output = run_job([python, str(VLLM_PEER), str(request), str(answer)], timeout_s,
-                           request.with_suffix(".log"))
+                           request.with_suffix(".log"), env)
     if code != 0:
         raise SystemExit(f"bench: vLLM peer failed:\n{output[-3000:]}")
     result = json.loads(answer.read_text())

@@ -87,10 +87,12 @@ def launch_argv(launcher: tuple, python: str, ranks: int, config: Path) -> list[
                                                                            str(config)]
 
 
-def run_job(argv: list[str], timeout_s: int, log_path: Path) -> tuple[int, str]:
-    """Run one job in its own process group (killed whole when it overruns); (exit code, output)."""
+def run_job(argv: list[str], timeout_s: int, log_path: Path, extra_env: dict | None = None) -> tuple[int, str]:
+    """Run one job in its own process group (killed whole when it overruns); (exit code, output). extra_env: more
+    environment variables for it."""
     env = launcher_free_env(os.environ)
     env["MPIEXEC_TIMEOUT"] = str(timeout_s)
+    env.update(extra_env or {})
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     try:
