@@ -36,20 +36,15 @@ class NumpyOps:
         self.threads = max(1, int(threads))
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcinfer-attn") if self.threads > 1 else None
 
-    def parts_in_parallel(self, rows: int, part) -> list:
-        """[part(k, rows_slice)] for `rows` cut into up to `threads` consecutive parts (k = 0..), run on the threads
-        (NumPy and BLAS release the GIL). One part, on the calling thread, without threads."""
+    def rows_in_parallel(self, rows: int, part):
+        """part(k, rows_slice) -> [n, ...] for the rows of each of `threads` parts (k = 0..), run on the threads
+        (NumPy and BLAS release the GIL), concatenated in order -> [rows, ...]. One part without threads."""
         parts = min(self.threads, rows)
         if parts <= 1:
-            return [part(0, slice(0, rows))]
+            return part(0, slice(0, rows))
         bounds = np.linspace(0, rows, parts + 1).astype(int)
         slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        return list(self._pool.map(part, range(parts), slices))
-
-    def rows_in_parallel(self, rows: int, part):
-        """parts_in_parallel's results, each [n, ...], concatenated in order -> [rows, ...]."""
-        done = self.parts_in_parallel(rows, part)
-        return done[0] if len(done) == 1 else np.concatenate(done, axis=0)
+        return np.concatenate(list(self._pool.map(part, range(parts), slices)), axis=0)
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
@@ -214,13 +209,10 @@ class NumpyOps:
         if step.is_decode:
             return self._decode_attention(q, cache_k, cache_v, step, scale)
         out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
-
-        def part(thread: int, seqs: slice):        # the sequences of one thread, each over its cache slot
-            for s in range(seqs.start, seqs.stop):
-                a, b = step.token_range(s)
-                out[a:b] = self._causal_attention(q[a:b], cache_k[step.slots[s]], cache_v[step.slots[s]],
-                                                  int(step.starts[s]), scale)
-        self.parts_in_parallel(step.num_seqs, part)
+        for s in range(step.num_seqs):
+            a, b = step.token_range(s)
+            out[a:b] = self._causal_attention(q[a:b], cache_k[step.slots[s]], cache_v[step.slots[s]],
+                                              int(step.starts[s]), scale)
         return out
 
     @staticmethod

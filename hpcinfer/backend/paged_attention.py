@@ -52,27 +52,22 @@ def attention(ops, q, k, v, pool_k, pool_v, step, scale: float, topk: float = 0.
         L = int(lengths.max())
         index = step_memo(ops, step, ("decode", kv_heads, bs), lambda: _row_index(step.tables, L, kv_heads, bs))
 
-        def part(thread: int, rows: slice):        # the sequences of one thread: their rows gathered, attended
-            keys, values = (_gathered(ops, f"{name}{thread}", pool, index[rows])
+        def part(k: int, rows: slice):             # the sequences of one thread: their rows gathered, attended
+            keys, values = (_gathered(ops, f"{name}{k}", pool, index[rows])
                             for name, pool in (("k", pool_k), ("v", pool_v)))              # [S', Hkv, L, hd]
             return ops._decode_over(q[rows], keys, values, lengths[rows], scale)
         return ops.rows_in_parallel(step.num_seqs, part)
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
-    indices = step_memo(ops, step, ("prefill", kv_heads, bs), lambda: [     # [Hkv, start + n] pool rows per sequence
-        _row_index(step.tables[s:s + 1], int(step.starts[s] + step.counts[s]), kv_heads, bs)[0]
-        for s in range(step.num_seqs)])
-
-    def part(thread: int, seqs: slice):            # the sequences of one thread (its own gather buffers)
-        for s in range(seqs.start, seqs.stop):
-            a, b = step.token_range(s)
-            start = int(step.starts[s])
-            if start == 0:                               # a whole prompt: its rows are the step's own
-                k_seq, v_seq = k[a:b].transpose(1, 0, 2), v[a:b].transpose(1, 0, 2)       # [Hkv, n, hd] views
-            else:
-                k_seq, v_seq = (_gathered(ops, f"{name}{thread}", pool, indices[s])
-                                for name, pool in (("k", pool_k), ("v", pool_v)))
-            out[a:b] = ops._causal_attention(q[a:b], k_seq, v_seq, start, scale)
-    ops.parts_in_parallel(step.num_seqs, part)
+    for s in range(step.num_seqs):
+        a, b = step.token_range(s)
+        start = int(step.starts[s])
+        if start == 0:                                   # a whole prompt: its rows are the step's own
+            k_seq, v_seq = k[a:b].transpose(1, 0, 2), v[a:b].transpose(1, 0, 2)       # [Hkv, n, hd] views
+        else:
+            index = step_memo(ops, step, ("prefill", s, kv_heads, bs),
+                              lambda: _row_index(step.tables[s:s + 1], start + b - a, kv_heads, bs)[0])
+            k_seq, v_seq = (_gathered(ops, f"{name}0", pool, index) for name, pool in (("k", pool_k), ("v", pool_v)))
+        out[a:b] = ops._causal_attention(q[a:b], k_seq, v_seq, start, scale)
     return out
 
 

@@ -175,28 +175,6 @@ def test_decode_attention_on_threads_gives_the_one_thread_bits(paged):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_prefill_attention_on_threads_gives_the_one_thread_bits(paged):
-    """A prefill step's sequences split over threads (a whole prompt, and chunks after cached positions): each
-    sequence's attention is its own, so the output is bit for bit the one-thread one."""
-    starts, counts, kv_heads, heads, hd, bs = [0, 4, 0, 9], [6, 3, 2, 5], 2, 4, 8, 4
-    T = sum(counts)
-    q, k, v = randn(T, heads, hd), randn(T, kv_heads, hd), randn(T, kv_heads, hd)
-    outs = []
-    for threads in (1, 2):
-        rng_t = np.random.default_rng(5)
-        if paged:
-            pool_k = rng_t.standard_normal((17, kv_heads, bs, hd)).astype(np.float32)
-            pool_v = rng_t.standard_normal((17, kv_heads, bs, hd)).astype(np.float32)
-            step = StepLayout.paged(np.arange(16, dtype=np.int32).reshape(4, 4), bs, starts, counts)
-        else:
-            pool_k = rng_t.standard_normal((4, kv_heads, 16, hd)).astype(np.float32)
-            pool_v = rng_t.standard_normal((4, kv_heads, 16, hd)).astype(np.float32)
-            step = StepLayout.build([3, 1, 0, 2], starts, counts)
-        outs.append(NumpyOps(threads=threads).attention(q, k, v, pool_k, pool_v, step, 0.3))
-    np.testing.assert_array_equal(outs[0], outs[1])
-
-
 def test_embedding_gathers_rows():
     table = randn(10, 3)
     np.testing.assert_array_equal(ops.embedding(table, np.array([3, 3, 9])), table[[3, 3, 9]])
