@@ -22,16 +22,13 @@ from .quant.storage import load_quant
 
 
 def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", backend: str = "numpy",
-               quantize: str = "none", group_size: int | None = None, embedding: str = "int8",
-               threads: int = 1) -> Decoder:
+               quantize: str = "none", group_size: int | None = None, embedding: str = "int8") -> Decoder:
     """quantize: "int8" | "int4" | "asym8" quantizes a float checkpoint (or a --keep-quantized one) while loading;
     group_size None: the source's block grid, else 64; embedding: int4's embedding / LM head at 8 bits ("int8") or
-    int4 ("same") (docs/quantization.md). threads (numpy): the cores its decode attention splits over (as
-    [runtime] threads; BLAS's own threads are the caller's to set)."""
+    int4 ("same") (docs/quantization.md)."""
     with open_checkpoint(path) as ckpt:
         quant = load_quant(ckpt, quantize, group_size, embedding)
-        return Decoder(make_ops(backend, threads=threads), groups or Groups(), ckpt.arch, dtype).load(ckpt,
-                                                                                                   quantize=quant)
+        return Decoder(make_ops(backend), groups or Groups(), ckpt.arch, dtype).load(ckpt, quantize=quant)
 
 
 def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:

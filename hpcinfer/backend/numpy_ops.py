@@ -10,7 +10,6 @@ S=sequences in the step, L=cached positions, N=cache slots.
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -26,25 +25,8 @@ QUANT_TILE = 4096         # output rows dequantized per step by linear_q (a 4096
 
 
 class NumpyOps:
-    """`threads`: the cores this rank computes on ([runtime] threads, as BLAS gets them). Decode attention, whose
-    small GEMMs BLAS runs on one thread, splits its sequences over that many threads (`rows_in_parallel`)."""
-
     name = "numpy"
     xp = np
-
-    def __init__(self, threads: int = 1):
-        self.threads = max(1, int(threads))
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcinfer-attn") if self.threads > 1 else None
-
-    def rows_in_parallel(self, rows: int, part):
-        """part(k, rows_slice) -> [n, ...] for the rows of each of `threads` parts (k = 0..), run on the threads
-        (NumPy and BLAS release the GIL), concatenated in order -> [rows, ...]. One part without threads."""
-        parts = min(self.threads, rows)
-        if parts <= 1:
-            return part(0, slice(0, rows))
-        bounds = np.linspace(0, rows, parts + 1).astype(int)
-        slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        return np.concatenate(list(self._pool.map(part, range(parts), slices)), axis=0)
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
@@ -250,19 +232,18 @@ class NumpyOps:
             out[:, a:b] = (probs @ v_seq[:, :length]).reshape(kv_heads, b - a, group, hd)
         return out.transpose(1, 0, 2, 3).reshape(n, heads * hd)
 
-    def _decode_attention(self, q, cache_k, cache_v, step: StepLayout, scale: float):
-        """One new token per sequence, batched: q [S, H, hd] -> [S, H*hd]; the sequences split over the threads
-        (each reads its rows up to the step's longest length L, as the whole batch would: the same bits)."""
+    @staticmethod
+    def _decode_attention(q, cache_k, cache_v, step: StepLayout, scale: float):
+        """One new token per sequence, batched: q [S, H, hd] -> [S, H*hd]."""
         S = q.shape[0]
         lengths = step.starts + 1                                                  # [S]
         L = int(lengths.max())
         first = int(step.slots[0])
-        if np.array_equal(step.slots, np.arange(first, first + S)):               # views, no copy
-            rows = lambda part: slice(first + part.start, first + part.stop)
+        if np.array_equal(step.slots, np.arange(first, first + S)):               # a view, no copy
+            keys, values = cache_k[first:first + S, :, :L], cache_v[first:first + S, :, :L]
         else:
-            rows = lambda part: step.slots[part]                                   # [S'] -> copies [S', Hkv, L, hd]
-        return self.rows_in_parallel(S, lambda k, part: self._decode_over(
-            q[part], cache_k[rows(part), :, :L], cache_v[rows(part), :, :L], lengths[part], scale))
+            keys, values = cache_k[step.slots, :, :L], cache_v[step.slots, :, :L]  # [S, Hkv, L, hd]
+        return NumpyOps._decode_over(q, keys, values, lengths, scale)
 
     @staticmethod
     def _decode_over(q, keys, values, lengths, scale: float):

@@ -51,12 +51,8 @@ def attention(ops, q, k, v, pool_k, pool_v, step, scale: float, topk: float = 0.
         lengths = step.starts + 1
         L = int(lengths.max())
         index = step_memo(ops, step, ("decode", kv_heads, bs), lambda: _row_index(step.tables, L, kv_heads, bs))
-
-        def part(k: int, rows: slice):             # the sequences of one thread: their rows gathered, attended
-            keys, values = (_gathered(ops, f"{name}{k}", pool, index[rows])
-                            for name, pool in (("k", pool_k), ("v", pool_v)))              # [S', Hkv, L, hd]
-            return ops._decode_over(q[rows], keys, values, lengths[rows], scale)
-        return ops.rows_in_parallel(step.num_seqs, part)
+        keys, values = (_gathered(ops, name, pool, index) for name, pool in (("k", pool_k), ("v", pool_v)))
+        return ops._decode_over(q, keys, values, lengths, scale)                       # keys, values [S,Hkv,L,hd]
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
     for s in range(step.num_seqs):
         a, b = step.token_range(s)
@@ -66,7 +62,7 @@ def attention(ops, q, k, v, pool_k, pool_v, step, scale: float, topk: float = 0.
         else:
             index = step_memo(ops, step, ("prefill", s, kv_heads, bs),
                               lambda: _row_index(step.tables[s:s + 1], start + b - a, kv_heads, bs)[0])
-            k_seq, v_seq = (_gathered(ops, f"{name}0", pool, index) for name, pool in (("k", pool_k), ("v", pool_v)))
+            k_seq, v_seq = (_gathered(ops, name, pool, index) for name, pool in (("k", pool_k), ("v", pool_v)))
         out[a:b] = ops._causal_attention(q[a:b], k_seq, v_seq, start, scale)
     return out
 

@@ -152,29 +152,6 @@ def test_causal_attention_gives_the_same_bits_on_any_share_of_kv_heads(n):
         np.testing.assert_array_equal(share.reshape(n, 3, hd), whole[:, 3 * h:3 * h + 3])
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_decode_attention_on_threads_gives_the_one_thread_bits(paged):
-    """NumpyOps(threads=3) splits a decode step's sequences over threads (5 sequences: parts of 2, 1, 2); each part
-    reads up to the step's longest length, as the whole does, so the output is bit for bit the one-thread one."""
-    S, heads, kv_heads, hd, bs = 5, 6, 2, 8, 4
-    lengths = np.array([7, 3, 12, 1, 9])
-    q, k, v = randn(S, heads, hd), randn(S, kv_heads, hd), randn(S, kv_heads, hd)
-    outs = []
-    for threads in (1, 3):
-        ops_t = NumpyOps(threads=threads)
-        if paged:
-            tables = np.arange(S * 4, dtype=np.int32)[::-1].reshape(S, 4)                 # scattered blocks
-            pool_k = np.random.default_rng(1).standard_normal((S * 4 + 1, kv_heads, bs, hd)).astype(np.float32)
-            pool_v = pool_k[::-1].copy()
-            step = StepLayout.paged(tables, bs, lengths - 1, [1] * S)
-        else:
-            pool_k = np.random.default_rng(1).standard_normal((S, kv_heads, 12, hd)).astype(np.float32)
-            pool_v = pool_k[::-1].copy()
-            step = StepLayout.build([4, 2, 0, 1, 3], lengths - 1, [1] * S)
-        outs.append(ops_t.attention(q, k, v, pool_k, pool_v, step, 0.3))
-    np.testing.assert_array_equal(outs[0], outs[1])
-
-
 def test_embedding_gathers_rows():
     table = randn(10, 3)
     np.testing.assert_array_equal(ops.embedding(table, np.array([3, 3, 9])), table[[3, 3, 9]])

@@ -22,7 +22,6 @@ import time
 from collections import defaultdict
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from ...api import load_model
 from ...backend.interface import StepLayout
@@ -71,8 +70,8 @@ class OpClock:
 class Steps:
     """SmolLM2 on the NumPy backend with a paged cache big enough for the runs below."""
 
-    def __init__(self, checkpoint, sequences: int, longest: int, threads: int):
-        self.model = load_model(str(checkpoint), threads=threads)
+    def __init__(self, checkpoint, sequences: int, longest: int):
+        self.model = load_model(str(checkpoint))
         self.clock = OpClock(self.model.ops)
         m, arch = self.model, self.model.arch
         self.cache = PagedKVCache(m.ops, m.num_local_layers, sequences * -(-longest // BLOCK), m.kv_heads_local,
@@ -183,15 +182,13 @@ def main(argv=None) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     shapes = [tuple(int(v) for v in x.split("x")) for x in args.prefill.split(",")]
     longest = max(contexts + [n for _, n in shapes]) + 2
-    threads = len(os.sched_getaffinity(0))                  # as `hpcinfer run` gives one rank a node's cores
-    threadpool_limits(threads)
-    steps = Steps(CHECKPOINT, max([args.batch] + [b for b, _ in shapes]), longest, threads)
+    steps = Steps(CHECKPOINT, max([args.batch] + [b for b, _ in shapes]), longest)
     bw = Bandwidth(2**30)
     bw.run(1)
     bandwidth = max(bw.nbytes / median(t) for t in bw.run(4).values()) / 1e9    # the best kernel's median
     bw.release()
     result = {"schema": "hpcinfer-bench-cpu-ops/1", "date": _dt.date.today().isoformat(), "commit": git_commit(),
-              "machine": machine_info(), "threads": threads,
+              "machine": machine_info(), "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)),
               "bandwidth_GBps": bandwidth}
     result["decode"] = decode_rows(steps, args.batch, contexts, args.repeats)
     hf = None if args.no_hf else Transformers(str(GGUF))
