@@ -27,6 +27,8 @@ QUANT_TILE = 4096         # output rows dequantized per step by linear_q (a 4096
 class NumpyOps:
     name = "numpy"
     xp = np
+    continuous_kv = "slots"   # the continuous schedule keeps rows in dense slots (generate/slot_cache.py): a paged
+                              # pool's rows would be gathered with np.take at every step
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
@@ -185,6 +187,8 @@ class NumpyOps:
             return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
         if step.is_paged:                                    # the continuous schedule's paged KV pool
             return paged_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
+        if 0 < topk < 1 and not step.is_decode and np.any(step.counts == 1):
+            return self._mixed_top_k(q, k, v, cache_k, cache_v, step, scale, topk)
         if not isinstance(cache_k, np.ndarray) or (0 < topk < 1 and step.is_decode):
             return kv_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         self._append_kv(k, v, cache_k, cache_v, step)
@@ -195,6 +199,17 @@ class NumpyOps:
             a, b = step.token_range(s)
             out[a:b] = self._causal_attention(q[a:b], cache_k[step.slots[s]], cache_v[step.slots[s]],
                                               int(step.starts[s]), scale)
+        return out
+
+    def _mixed_top_k(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float):
+        """A continuous step with top-k that mixes one-token entries (decode tokens: top-k, as the static schedule's
+        decode steps) with prompt chunks (dense, as its prompt steps): each part attends as a step of its own."""
+        out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
+        one = step.counts == 1
+        for rows in (np.flatnonzero(one), np.flatnonzero(~one)):
+            tokens = np.concatenate([np.arange(*step.token_range(int(s))) for s in rows])     # [T'] of the step's T
+            part = StepLayout.build(step.slots[rows], step.starts[rows], step.counts[rows])
+            out[tokens] = self.attention(q[tokens], k[tokens], v[tokens], cache_k, cache_v, part, scale, topk)
         return out
 
     @staticmethod

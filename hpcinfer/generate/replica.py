@@ -15,6 +15,7 @@ from .engine import StepTimes
 from .graphs import paged_decode_graphs
 from .paged_cache import PagedKVCache, block_bytes, pool_blocks
 from .runner import Runner
+from .slot_cache import SlotKVCache
 from .schedules.continuous import ContinuousParams, balanced_shares, run_continuous
 
 
@@ -56,10 +57,12 @@ def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None
     return commits.results + served
 
 
-def _paged_cache(model, config, mesh, running: int, longest: int) -> PagedKVCache:
-    """This rank's KV pool: `[schedule] kv_cache_memory` over the bytes of a block of its layers, or `running`
-    sequences (batch_size, or fewer when the share has fewer prompts) at their longest; with pp > 1 every stage takes the smallest stage's block count (the first stage's
-    block tables index every stage's pool)."""
+def _paged_cache(model, config, mesh, running: int, longest: int):
+    """This rank's KV store for the continuous schedule: a pool of `[schedule] kv_cache_memory` over the bytes of a
+    block of its layers, or `running` sequences (batch_size, or fewer when the share has fewer prompts) at their
+    longest; with pp > 1 every stage takes the smallest stage's block count (the first stage's block tables index
+    every stage's pool). Backends that read a dense cache fastest (Ops.continuous_kv = "slots": NumPy) keep the
+    pool as accounting and the rows in `running` dense slots of `longest` positions (generate/slot_cache.py)."""
     sch = config.schedule
     per_block = block_bytes(model.num_local_layers, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim,
                             model.kv_format)
@@ -67,8 +70,10 @@ def _paged_cache(model, config, mesh, running: int, longest: int) -> PagedKVCach
     blocks = max(1, pool_blocks(nbytes, per_block, running, longest, sch.kv_block_size))
     if mesh.shape.pp > 1:
         blocks = int(mesh.pp.all_gather(np.array([blocks], dtype=np.int64)).min())
-    return PagedKVCache(model.ops, model.num_local_layers, blocks, model.kv_heads_local, sch.kv_block_size,
-                        model.arch.head_dim, model.kv_format)
+    shape = (model.ops, model.num_local_layers, blocks, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
+    if getattr(model.ops, "continuous_kv", "blocks") == "slots":
+        return SlotKVCache(*shape, running, longest, model.kv_format)
+    return PagedKVCache(*shape, model.kv_format)
 
 
 def _announced(end_round, link):

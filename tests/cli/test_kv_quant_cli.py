@@ -30,13 +30,12 @@ def test_int4_cache_and_topk_give_identical_tokens_across_layouts(run_cli, repo_
     single, metrics = run(run_cli, repo_root, job, tmp_path / "one.jsonl", 1, *kv)
     sharded, _ = run(run_cli, repo_root, job, tmp_path / "tp2.jsonl", 2, *kv, "parallel.tp=2")
     assert sharded == single and single.count('"output_tokens"') == len(PROMPTS)
-    # the continuous schedule's paged pool: 5 sequences at their longest in blocks of 16 positions, + the spare
-    # block; 2 layers, K and V, rows of 8 bytes of nibbles + 2 groups x (fp16 scale + min)
+    # the continuous schedule's store on NumPy (generate/slot_cache.py): 5 dense slots at the longest length;
+    # 2 layers, K and V, rows of 8 bytes of nibbles + 2 groups x (fp16 scale + min)
     max_len = max(PROMPTS) + NEW
     row = HEAD_DIM // 2 + 2 * 2 * 2
-    positions = (len(PROMPTS) * -(-max_len // 16) + 1) * 16
     assert metrics["batching"]["mode"] == "continuous"
-    assert metrics["kv_cache"]["peak_device_bytes_per_rank"] == positions * LAYERS * 2 * KV_HEADS * row
+    assert metrics["kv_cache"]["peak_device_bytes_per_rank"] == len(PROMPTS) * LAYERS * 2 * KV_HEADS * max_len * row
 
 
 def test_int8_cache_with_pipeline_and_kv_offload(run_cli, repo_root, job, tmp_path):

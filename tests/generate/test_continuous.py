@@ -18,6 +18,7 @@ from hpcinfer.generate.engine import GenerationParams, StepTimes
 from hpcinfer.generate.paged_cache import PagedKVCache
 from hpcinfer.generate.runner import Runner
 from hpcinfer.generate.sampling import SamplingParams
+from hpcinfer.generate.slot_cache import SlotKVCache, SlotTables
 from hpcinfer.generate.schedules.continuous import ContinuousParams, balanced_shares, run_continuous
 from hpcinfer.generate.schedules.pipeline import generate_batch
 from hpcinfer.generate.replica import CommitPoints
@@ -41,13 +42,14 @@ def static(model, ps, params):
 
 
 def continuous(model, ps, params, batch_size=3, step_tokens=7, blocks=None, block_size=4, order=None,
-               micro_batches=1):
+               micro_batches=1, store="paged"):
     """[(tokens, reason)] in prompt order, and the StepTimes of the run."""
     order = list(range(len(ps))) if order is None else order
     runner, times, out = Runner(model, params), StepTimes(), {}
     longest = max(min(len(p) + params.max_new_tokens, ARCH.max_positions) for p in ps)
     blocks = blocks or batch_size * -(-longest // block_size)
-    cache = PagedKVCache(model.ops, model.num_local_layers, blocks, model.kv_heads_local, block_size, ARCH.head_dim)
+    shape = (model.ops, model.num_local_layers, blocks, model.kv_heads_local, block_size, ARCH.head_dim)
+    cache = PagedKVCache(*shape) if store == "paged" else SlotKVCache(*shape, batch_size, longest)
 
     def after_step(finished):
         out.update({s.index: (s.generated, s.finish_reason) for s in finished})
@@ -98,15 +100,15 @@ def test_admission_order_and_chunk_size_do_not_change_tokens(eos_model):
     assert got == want
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
-def test_preemption_keeps_every_token(eos_model, micro_batches):
+@pytest.mark.parametrize("micro_batches, store", [(1, "paged"), (3, "paged"), (1, "slots"), (3, "slots")])
+def test_preemption_keeps_every_token(eos_model, micro_batches, store):
     """Also with several steps in flight (a pipeline's micro-batches; here on one stage, each step's tokens are
     taken back in launch order): a step plans only the sequences no step in flight holds, and preempts only those."""
     ps, params = prompts(), GenerationParams(12, SamplingParams(temperature=0.7), seed=2)
     want = static(eos_model, ps, params)
     longest = max(len(p) + 12 for p in ps)
     got, times = continuous(eos_model, ps, params, batch_size=4, step_tokens=16, block_size=4,
-                            blocks=-(-longest // 4) + 2, micro_batches=micro_batches)
+                            blocks=-(-longest // 4) + 2, micro_batches=micro_batches, store=store)
     assert times.preemptions > 0
     assert got == want
     assert 0 < times.kv_blocks_peak <= times.kv_blocks_total
@@ -151,3 +153,20 @@ def test_commit_points_stop_when_end_round_says_so():
     assert points.after_step(fin) is True
     points.finish()                                          # no further end_round after a stop
     assert points.thresholds == [2, 3, 4]
+
+
+def test_slot_tables_give_each_running_sequence_its_own_slot():
+    """generate/slot_cache.SlotTables: the lowest free slot when a table starts, back when it is released; the
+    block accounting is BlockTables'; more running sequences than slots is an error, not an overwrite."""
+    from hpcinfer.generate.block_manager import BlockPool
+
+    tables = SlotTables(BlockPool(10, 4), 2)
+    tables.grow("a", 5)
+    tables.grow("b", 1)
+    tables.grow("a", 9)                                    # a grows: same slot
+    assert tables.slot == {"a": 0, "b": 1} and tables.pool.used_blocks == 4
+    with pytest.raises(RuntimeError, match="every slot"):
+        tables.grow("c", 1)
+    assert tables.release("a") == 3 and tables.slot == {"b": 1}
+    tables.grow("c", 2)
+    assert tables.slot["c"] == 0 and tables.pool.used_blocks == 2

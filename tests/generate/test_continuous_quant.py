@@ -17,6 +17,7 @@ from hpcinfer.comm.group import Groups
 from hpcinfer.generate.engine import GenerationParams, StepTimes
 from hpcinfer.generate.paged_cache import PagedKVCache
 from hpcinfer.generate.runner import Runner
+from hpcinfer.generate.slot_cache import SlotKVCache
 from hpcinfer.generate.sampling import SamplingParams
 from hpcinfer.generate.schedules.continuous import ContinuousParams, run_continuous
 from hpcinfer.generate.schedules.pipeline import generate_batch
@@ -51,13 +52,15 @@ def static(model, ps, params):
     return generate_batch(model, ps, list(range(len(ps))), params, StepTimes())
 
 
-def continuous(model, ps, params, batch_size, step_tokens, block_size, blocks=None, whole_prompts=True):
+def continuous(model, ps, params, batch_size, step_tokens, block_size, blocks=None, whole_prompts=True,
+               store="paged"):
     """[(tokens, reason)] in prompt order and the run's StepTimes, over a pool in the model's KV format."""
     runner, times, out = Runner(model, params), StepTimes(), {}
     longest = max(min(len(p) + params.max_new_tokens, ARCH.max_positions) for p in ps)
     blocks = blocks or batch_size * -(-longest // block_size)
-    cache = PagedKVCache(model.ops, model.num_local_layers, blocks, model.kv_heads_local, block_size, ARCH.head_dim,
-                         kv_format=model.kv_format)
+    shape = (model.ops, model.num_local_layers, blocks, model.kv_heads_local, block_size, ARCH.head_dim)
+    cache = (PagedKVCache(*shape, kv_format=model.kv_format) if store == "paged" else      # (NumPy's runtime store:
+             SlotKVCache(*shape, batch_size, longest, kv_format=model.kv_format))        # generate/slot_cache.py)
 
     def after_step(finished):
         out.update({s.index: (s.generated, s.finish_reason) for s in finished})
@@ -105,13 +108,14 @@ def test_tokens_equal_static_with_a_small_step_budget(configured):
     assert chunked != want
 
 
-@pytest.mark.parametrize("configured", ["topk", "int8"], indirect=True)
-def test_tokens_equal_static_with_preemption(configured):
+@pytest.mark.parametrize("store", ["paged", "slots"])
+@pytest.mark.parametrize("configured", ["topk", "int8", "int4-topk"], indirect=True)
+def test_tokens_equal_static_with_preemption(configured, store):
     """A preempted sequence's prompt is recomputed whole and its generated tokens one a step, as static's decode
     steps computed them."""
     ps, params = prompts(), GenerationParams(10, SAMPLING["sampled"], seed=2, ignore_eos=True)
     longest = max(len(p) + 10 for p in ps)
     got, times = continuous(configured, ps, params, batch_size=4, step_tokens=16, block_size=4,
-                            blocks=-(-longest // 4) + 2)
+                            blocks=-(-longest // 4) + 2, store=store)
     assert times.preemptions > 0
     assert got == static(configured, ps, params)

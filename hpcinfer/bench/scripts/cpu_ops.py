@@ -26,6 +26,7 @@ import numpy as np
 from ...api import load_model
 from ...backend.interface import StepLayout
 from ...generate.paged_cache import PagedKVCache
+from ...generate.slot_cache import SlotKVCache
 from ...metrics import held_weight_bytes
 from ...quant.kv import kv_bytes_per_token
 from ..chat_workload import CHECKPOINT, GGUF
@@ -68,14 +69,15 @@ class OpClock:
 
 
 class Steps:
-    """SmolLM2 on the NumPy backend with a paged cache big enough for the runs below."""
+    """SmolLM2 on the NumPy backend with the continuous schedule's KV store big enough for the runs below: dense
+    slots (generate/slot_cache.py, what NumPy runs) or the paged pool."""
 
-    def __init__(self, checkpoint, sequences: int, longest: int):
+    def __init__(self, checkpoint, sequences: int, longest: int, store: str = "slots"):
         self.model = load_model(str(checkpoint))
         self.clock = OpClock(self.model.ops)
         m, arch = self.model, self.model.arch
-        self.cache = PagedKVCache(m.ops, m.num_local_layers, sequences * -(-longest // BLOCK), m.kv_heads_local,
-                                  BLOCK, arch.head_dim)
+        shape = (m.ops, m.num_local_layers, sequences * -(-longest // BLOCK), m.kv_heads_local, BLOCK, arch.head_dim)
+        self.cache = SlotKVCache(*shape, sequences, longest) if store == "slots" else PagedKVCache(*shape)
         self.rng = np.random.default_rng(0)
 
     def prefill(self, ids: list, lengths: list) -> float:
@@ -147,7 +149,7 @@ def prefill_rows(steps: Steps, shapes: list, repeats: int, hf) -> list:
 
 def report(result: dict) -> str:
     lines = [f"# One step of the NumPy backend, op by op, {result['date']}", "",
-             f"SmolLM2-135M float32, paged KV (blocks of {BLOCK}); {result['machine'].get('cpu_model')}, "
+             f"SmolLM2-135M float32, KV store {result['store']} (blocks of {BLOCK}); {result['machine'].get('cpu_model')}, "
              f"{result['machine'].get('cpus_usable')} cores, {result['threads']} BLAS threads; commit "
              f"{result['commit']}. Read bandwidth {result['bandwidth_GBps']:.1f} GB/s.", "",
              "| decode | step ms | projections ms (GB/s) | attention ms (GB/s of K/V, share of bandwidth) | other ops ms |",
@@ -176,20 +178,22 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="128,400,1024")
     p.add_argument("--prefill", default="16x128,8x414")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--store", choices=("slots", "paged"), default="slots",
+                   help="the KV store: NumPy's dense slots (what `hpcinfer run` uses) or the paged pool")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     shapes = [tuple(int(v) for v in x.split("x")) for x in args.prefill.split(",")]
     longest = max(contexts + [n for _, n in shapes]) + 2
-    steps = Steps(CHECKPOINT, max([args.batch] + [b for b, _ in shapes]), longest)
+    steps = Steps(CHECKPOINT, max([args.batch] + [b for b, _ in shapes]), longest, args.store)
     bw = Bandwidth(2**30)
     bw.run(1)
     bandwidth = max(bw.nbytes / median(t) for t in bw.run(4).values()) / 1e9    # the best kernel's median
     bw.release()
     result = {"schema": "hpcinfer-bench-cpu-ops/1", "date": _dt.date.today().isoformat(), "commit": git_commit(),
               "machine": machine_info(), "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)),
-              "bandwidth_GBps": bandwidth}
+              "bandwidth_GBps": bandwidth, "store": args.store}
     result["decode"] = decode_rows(steps, args.batch, contexts, args.repeats)
     hf = None if args.no_hf else Transformers(str(GGUF))
     result["prefill"] = prefill_rows(steps, shapes, args.repeats, hf)

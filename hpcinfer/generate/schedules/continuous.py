@@ -189,8 +189,7 @@ class ContinuousScheduler:
         starts = [r.computed for r, _ in plan]
         counts = [n for _, n in plan]
         tokens = np.array([t for r, n in plan for t in r.tokens[r.computed:r.computed + n]], dtype=np.int64)
-        header = {"ids": ids, "starts": starts, "counts": counts,
-                  "tables": self.cache.tables.table_array(ids)}
+        header = {"ids": ids, "starts": starts, "counts": counts, "layout": self.cache.layout(ids, starts, counts)}
         for r, n in plan:
             r.computed += n
         header["sample"] = [row for row, (r, _) in enumerate(plan) if r.pending == 0]

@@ -2,7 +2,8 @@
 runs, and how its sampled tokens come back.
 
 The scheduler runs on the first pipeline stage and hands each step over as a header (the sequences' ids, starts,
-counts, block tables, and the rows to sample) plus its inputs. With one stage (`LocalStage`) the step runs at once
+counts, the step's StepLayout over the cache (block tables, or dense slots), and the rows to sample) plus its
+inputs. With one stage (`LocalStage`) the step runs at once
 and its tokens wait in a local queue. With pp > 1 (`FirstStage` on stage 0, `serve` on the others) the header
 travels down the pipeline with the activations; every stage runs its layers over the same block tables (its own
 pool, as large as stage 0's: replica.py agrees the size), and the last stage samples and returns the tokens to
@@ -18,7 +19,6 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ...backend.interface import StepLayout
 from ..runner import Runner
 
 
@@ -35,7 +35,7 @@ class StageStep:
     def __call__(self, header: dict, inputs: dict):
         """-> the reply to stage 0 on the last stage ({"ids", "tokens", "finish"} of the sampled rows), else the
         activations [T, D] for the next stage."""
-        layout = StepLayout.paged(header["tables"], self.cache.block_size, header["starts"], header["counts"])
+        layout = header["layout"]                         # the first stage's StepLayout (paged, or dense slots)
         t0 = time.perf_counter()
         out = self.runner.step(self.cache, layout, inputs, self.graphs)
         reply = self._sample(header, out) if self.runner.model.stage.is_last else out
