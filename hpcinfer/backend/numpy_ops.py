@@ -253,12 +253,29 @@ class NumpyOps:
         S = q.shape[0]
         lengths = step.starts + 1                                                  # [S]
         L = int(lengths.max())
-        first = int(step.slots[0])
+        first, last = int(step.slots[0]), int(step.slots[-1])
         if np.array_equal(step.slots, np.arange(first, first + S)):               # a view, no copy
             keys, values = cache_k[first:first + S, :, :L], cache_v[first:first + S, :, :L]
+        elif np.all(np.diff(step.slots) > 0) and last - first + 1 <= 2 * S:       # ascending, a few slots idle
+            return NumpyOps._decode_over_span(q, cache_k, cache_v, step.slots, lengths, L, scale)
         else:
             keys, values = cache_k[step.slots, :, :L], cache_v[step.slots, :, :L]  # [S, Hkv, L, hd]
         return NumpyOps._decode_over(q, keys, values, lengths, scale)
+
+    @staticmethod
+    def _decode_over_span(q, cache_k, cache_v, slots, lengths, L: int, scale: float):
+        """Ascending slots with gaps (the continuous schedule's running sequences in their slots, some slots
+        idle): attend over the view of slots first..last, the idle ones with a zero query over their first
+        position, and keep the step's rows. No copy of the cached rows (a fancy-indexed [S, Hkv, L, hd] copy
+        a layer), and each row's arithmetic is the one it has alone (adding 0 to its scores is exact)."""
+        first, rows = int(slots[0]), slots - int(slots[0])
+        span = int(slots[-1]) - first + 1
+        q_span = np.zeros((span, *q.shape[1:]), dtype=F32)
+        q_span[rows] = q
+        lengths_span = np.ones(span, dtype=lengths.dtype)
+        lengths_span[rows] = lengths
+        keys, values = cache_k[first:first + span, :, :L], cache_v[first:first + span, :, :L]
+        return NumpyOps._decode_over(q_span, keys, values, lengths_span, scale)[rows]
 
     @staticmethod
     def _decode_over(q, keys, values, lengths, scale: float):

@@ -62,6 +62,10 @@ class PagedKVCache:
     def pool(self) -> BlockPool:
         return self.tables.pool
 
+    def row_order(self, seq_id) -> int:
+        """Where a sequence's decode row is best placed in a step (the scheduler sorts by it; stable): any."""
+        return 0
+
     def layer_step(self, layer: int, step: StepLayout) -> StepLayout:
         """Every layer reads the same tables (Decoder.run_layer asks the dense cache for per-layer slots)."""
         return step

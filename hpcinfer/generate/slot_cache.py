@@ -63,6 +63,11 @@ class SlotKVCache:
     def pool(self) -> BlockPool:
         return self.tables.pool
 
+    def row_order(self, seq_id) -> int:
+        """A decode step's rows in slot order, so that they are a view of the dense cache (NumpyOps
+        ._decode_attention): its slot."""
+        return self.tables.slot[seq_id]
+
     def layer_step(self, layer: int, step: StepLayout) -> StepLayout:
         return step
 

@@ -152,6 +152,25 @@ def test_causal_attention_gives_the_same_bits_on_any_share_of_kv_heads(n):
         np.testing.assert_array_equal(share.reshape(n, 3, hd), whole[:, 3 * h:3 * h + 3])
 
 
+def test_decode_over_ascending_slots_with_gaps_gives_each_rows_own_bits():
+    """The continuous schedule's dense slots: a decode step over ascending slots with idle ones between (2, 3, 6
+    of 0..7) attends over the view of slots 2..6 (NumpyOps._decode_over_span), and gives the bits of the copy path
+    (the slots gathered, then attended)."""
+    S, heads, kv_heads, hd, Lmax = 3, 6, 2, 8, 12
+    cache_k, cache_v = randn(8, kv_heads, Lmax, hd), randn(8, kv_heads, Lmax, hd)
+    q = randn(S, heads, hd)
+    slots, starts = np.array([2, 3, 6]), np.array([4, 9, 1])
+    lengths, L = starts + 1, 10
+    want = NumpyOps._decode_over(q, cache_k[slots, :, :L], cache_v[slots, :, :L], lengths, 0.3)
+    got = NumpyOps._decode_over_span(q, cache_k, cache_v, slots, lengths, L, 0.3)
+    np.testing.assert_array_equal(got, want)
+    k, v = randn(S, kv_heads, hd), randn(S, kv_heads, hd)            # and through attention, which takes the span
+    got = ops.attention(q, k, v, cache_k, cache_v, StepLayout.build(slots, starts, [1] * S), 0.3)
+    assert np.array_equal(cache_k[slots, :, starts], k)               # the new rows appended first
+    np.testing.assert_array_equal(got, NumpyOps._decode_over(q, cache_k[slots, :, :L], cache_v[slots, :, :L],
+                                                             lengths, 0.3))
+
+
 def test_embedding_gathers_rows():
     table = randn(10, 3)
     np.testing.assert_array_equal(ops.embedding(table, np.array([3, 3, 9])), table[[3, 3, 9]])

@@ -133,7 +133,8 @@ class ContinuousScheduler:
         idle = [r for r in self.running if r.seq.index not in self.busy]
         plan = []
         prefill = [r for r in idle if r.pending > 1]
-        for r in [r for r in idle if r.pending == 1] + prefill:
+        decode = sorted((r for r in idle if r.pending == 1), key=lambda r: self.cache.row_order(r.seq.index))
+        for r in decode + prefill:
             if budget <= 0 or len(plan) == room:
                 break
             if r not in self.running:                      # preempted while planning this step
