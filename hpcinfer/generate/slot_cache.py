@@ -65,8 +65,9 @@ class SlotKVCache:
 
     def row_order(self, seq_id) -> int:
         """A decode step's rows in slot order, so that they are a view of the dense cache (NumpyOps
-        ._decode_attention): its slot."""
-        return self.tables.slot[seq_id]
+        ._decode_attention): its slot; after them a sequence that has none yet (a one-token prompt, about to
+        take one)."""
+        return self.tables.slot.get(seq_id, len(self.tables.free_slots) + len(self.tables.slot))
 
     def layer_step(self, layer: int, step: StepLayout) -> StepLayout:
         return step

@@ -170,3 +170,14 @@ def test_slot_tables_give_each_running_sequence_its_own_slot():
     assert tables.release("a") == 3 and tables.slot == {"b": 1}
     tables.grow("c", 2)
     assert tables.slot["c"] == 0 and tables.pool.used_blocks == 2
+
+
+def test_slot_store_orders_decode_rows_by_slot_and_a_new_one_last(model):
+    """SlotKVCache.row_order: the scheduler sorts a step's decode rows by it, so that they read a view of the
+    dense cache; a one-token prompt about to take its slot has none yet and comes after every slot."""
+    cache = SlotKVCache(model.ops, model.num_local_layers, 8, model.kv_heads_local, 4, ARCH.head_dim, 3, 16)
+    for seq in ("x", "y"):
+        cache.tables.grow(seq, 3)
+    cache.tables.release("x")
+    cache.tables.grow("z", 3)                              # z takes slot 0 again
+    assert [cache.row_order(s) for s in ("z", "y", "new")] == [0, 1, 3]
