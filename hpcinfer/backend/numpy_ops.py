@@ -205,8 +205,7 @@ class NumpyOps:
         """A continuous step with top-k that mixes one-token entries (decode tokens: top-k, as the static schedule's
         decode steps) with prompt chunks (dense, as its prompt steps): each part attends as a step of its own."""
         out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
-        one = step.counts == 1
-        for rows in (np.flatnonzero(one), np.flatnonzero(~one)):
+        for rows in paged_attention.dense_parts(step, topk):        # the split the paged path makes too
             tokens = np.concatenate([np.arange(*step.token_range(int(s))) for s in rows])     # [T'] of the step's T
             part = StepLayout.build(step.slots[rows], step.starts[rows], step.counts[rows])
             out[tokens] = self.attention(q[tokens], k[tokens], v[tokens], cache_k, cache_v, part, scale, topk)
