@@ -15,6 +15,7 @@ import numpy as np
 
 from ..quant.formats import dequantize, slice_rows, take_rows
 from . import kv_attention, moe_ops, paged_attention
+from .numpy_decode import DecodeAttention, usable_cores
 from .interface import StepLayout, unfused_linear
 from .transfer import HostCopies
 
@@ -29,6 +30,11 @@ class NumpyOps:
     xp = np
     continuous_kv = "slots"   # the continuous schedule keeps rows in dense slots (generate/slot_cache.py): a paged
                               # pool's rows would be gathered with np.take at every step
+
+    def __init__(self, threads: int | None = None):
+        """threads: the rank's BLAS threads (runtime._set_threads), which decode attention splits its sequences
+        over (backend/numpy_decode.py); default the usable cores, as OpenBLAS's own default."""
+        self.decode_attention = DecodeAttention(usable_cores() if threads is None else threads)
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
@@ -246,8 +252,7 @@ class NumpyOps:
             out[:, a:b] = (probs @ v_seq[:, :length]).reshape(kv_heads, b - a, group, hd)
         return out.transpose(1, 0, 2, 3).reshape(n, heads * hd)
 
-    @staticmethod
-    def _decode_attention(q, cache_k, cache_v, step: StepLayout, scale: float):
+    def _decode_attention(self, q, cache_k, cache_v, step: StepLayout, scale: float):
         """One new token per sequence, batched: q [S, H, hd] -> [S, H*hd]."""
         S = q.shape[0]
         lengths = step.starts + 1                                                  # [S]
@@ -256,13 +261,12 @@ class NumpyOps:
         if np.array_equal(step.slots, np.arange(first, first + S)):               # a view, no copy
             keys, values = cache_k[first:first + S, :, :L], cache_v[first:first + S, :, :L]
         elif np.all(np.diff(step.slots) > 0) and last - first + 1 <= 2 * S:       # ascending, a few slots idle
-            return NumpyOps._decode_over_span(q, cache_k, cache_v, step.slots, lengths, L, scale)
+            return self._decode_over_span(q, cache_k, cache_v, step.slots, lengths, L, scale)
         else:
             keys, values = cache_k[step.slots, :, :L], cache_v[step.slots, :, :L]  # [S, Hkv, L, hd]
-        return NumpyOps._decode_over(q, keys, values, lengths, scale)
+        return self._decode_over(q, keys, values, lengths, scale)
 
-    @staticmethod
-    def _decode_over_span(q, cache_k, cache_v, slots, lengths, L: int, scale: float):
+    def _decode_over_span(self, q, cache_k, cache_v, slots, lengths, L: int, scale: float):
         """Ascending slots with gaps (the continuous schedule's running sequences in their slots, some slots
         idle): attend over the view of slots first..last, the idle ones with a zero query over their first
         position, and keep the step's rows. No copy of the cached rows (a fancy-indexed [S, Hkv, L, hd] copy
@@ -274,20 +278,13 @@ class NumpyOps:
         lengths_span = np.ones(span, dtype=lengths.dtype)
         lengths_span[rows] = lengths
         keys, values = cache_k[first:first + span, :, :L], cache_v[first:first + span, :, :L]
-        return NumpyOps._decode_over(q_span, keys, values, lengths_span, scale)[rows]
+        return self._decode_over(q_span, keys, values, lengths_span, scale)[rows]
 
-    @staticmethod
-    def _decode_over(q, keys, values, lengths, scale: float):
+    def _decode_over(self, q, keys, values, lengths, scale: float):
         """q [S, H, hd] over keys, values [S, Hkv, L, hd] of which sequence s reads its first lengths[s] positions
-        -> [S, H*hd] (the dense cache's rows, or a paged pool's gathered ones: backend/paged_attention.py)."""
-        S, heads, hd = q.shape
-        kv_heads, L = keys.shape[1], keys.shape[2]
-        qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)         # [S, Hkv, g, hd]
-        scores = qg @ keys.transpose(0, 1, 3, 2)                                   # [S, Hkv, g, L]
-        if np.any(lengths < L):
-            scores += np.where(np.arange(L)[None, :] < lengths[:, None], F32(0), F32(-np.inf))[:, None, None, :]
-        out = _softmax(scores) @ values                                            # [S, Hkv, g, hd]
-        return out.reshape(S, heads * hd)
+        -> [S, H*hd] (the dense cache's rows, or a paged pool's gathered ones: backend/paged_attention.py), the
+        sequences split over the rank's threads (backend/numpy_decode.py)."""
+        return self.decode_attention(q, keys, values, lengths, scale)
 
     # ---- encoder attention (no KV cache) ----------------------------------------------------------------------
     def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):

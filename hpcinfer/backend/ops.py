@@ -18,13 +18,15 @@ def resolve_backend(requested: str) -> str:
     return "cupy" if cupy_ops.gpu_available() else "numpy"
 
 
-def make_ops(backend: str, device: int | None = None) -> Ops:
+def make_ops(backend: str, device: int | None = None, threads: int | None = None) -> Ops:
     """Resolve `[runtime] backend`: numpy; cupy (a CUDA GPU, or a ConfigError saying why not); auto = cupy when
     cupy sees a GPU, else numpy. `device` (cupy only): the GPU among the visible ones, taken modulo their count;
-    the runtime passes the node-local rank. None selects no device and touches no GPU (a check of the config)."""
+    the runtime passes the node-local rank. None selects no device and touches no GPU (a check of the config).
+    `threads` (numpy only): the rank's BLAS threads, over which decode attention splits its sequences; default the
+    usable cores."""
     backend = resolve_backend(backend)
     if backend == "numpy":
-        return NumpyOps()
+        return NumpyOps(threads)
     if backend == "cupy":
         return cupy_ops.CupyOps(device)
     raise ConfigError(f"[runtime] backend = {backend!r} is not one of {', '.join(BACKENDS)}")

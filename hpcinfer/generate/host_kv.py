@@ -193,6 +193,7 @@ class PinnedHostOps(NumpyOps):
     """NumPy ops whose arrays are the copy engine's host buffers (pinned on a GPU): the host KV caches."""
 
     def __init__(self, copies):
+        super().__init__()
         self.copies = copies
 
     def zeros(self, shape, dtype=np.float32):

@@ -161,14 +161,50 @@ def test_decode_over_ascending_slots_with_gaps_gives_each_rows_own_bits():
     q = randn(S, heads, hd)
     slots, starts = np.array([2, 3, 6]), np.array([4, 9, 1])
     lengths, L = starts + 1, 10
-    want = NumpyOps._decode_over(q, cache_k[slots, :, :L], cache_v[slots, :, :L], lengths, 0.3)
-    got = NumpyOps._decode_over_span(q, cache_k, cache_v, slots, lengths, L, 0.3)
+    want = ops._decode_over(q, cache_k[slots, :, :L], cache_v[slots, :, :L], lengths, 0.3)
+    got = ops._decode_over_span(q, cache_k, cache_v, slots, lengths, L, 0.3)
     np.testing.assert_array_equal(got, want)
     k, v = randn(S, kv_heads, hd), randn(S, kv_heads, hd)            # and through attention, which takes the span
     got = ops.attention(q, k, v, cache_k, cache_v, StepLayout.build(slots, starts, [1] * S), 0.3)
     assert np.array_equal(cache_k[slots, :, starts], k)               # the new rows appended first
-    np.testing.assert_array_equal(got, NumpyOps._decode_over(q, cache_k[slots, :, :L], cache_v[slots, :, :L],
-                                                             lengths, 0.3))
+    np.testing.assert_array_equal(got, ops._decode_over(q, cache_k[slots, :, :L], cache_v[slots, :, :L],
+                                                        lengths, 0.3))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_decode_attention_on_threads_gives_the_single_thread_bits(threads):
+    """Decode attention splits the sequences over the rank's threads (backend/numpy_decode.py): any split, also
+    more threads than sequences, gives the bits of one thread, and equals softmax(q K^T / mask) V in float64.
+    Repeated calls reuse the scratch buffers (a shorter step after a longer one, then a longer one again)."""
+    S, heads, kv_heads, hd = 5, 6, 2, 8
+    one, many = NumpyOps(threads=1), NumpyOps(threads=threads)
+    for L in (12, 7, 30):
+        q, keys, values = randn(S, heads, hd), randn(S, kv_heads, L, hd), randn(S, kv_heads, L, hd)
+        lengths = np.array([L, 1, L - 3, 2, L])[:S]
+        want = one._decode_over(q, keys, values, lengths, 0.3)
+        np.testing.assert_array_equal(many._decode_over(q, keys, values, lengths, 0.3), want)
+        for s in range(S):                                       # against the definition, per sequence and head
+            n = int(lengths[s])
+            for h in range(heads):
+                scores = 0.3 * keys[s, h // 3, :n].astype(np.float64) @ q[s, h]
+                probs = np.exp(scores - scores.max())
+                ref = (probs / probs.sum()) @ values[s, h // 3, :n]
+                np.testing.assert_allclose(want[s, h * hd:(h + 1) * hd], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_raises_a_workers_error(monkeypatch):
+    """An error in a worker thread's rows reaches the caller (no silent partial output)."""
+    two = NumpyOps(threads=2)
+    rows = two.decode_attention._rows
+
+    def failing(part, *args):
+        if part == 1:                                            # the worker's block only
+            raise FloatingPointError("worker rows")
+        return rows(part, *args)
+
+    monkeypatch.setattr(two.decode_attention, "_rows", failing)
+    with pytest.raises(FloatingPointError, match="worker rows"):
+        two._decode_over(randn(4, 6, 8), randn(4, 2, 5, 8), randn(4, 2, 5, 8), np.full(4, 5), 0.3)
 
 
 def test_embedding_gathers_rows():

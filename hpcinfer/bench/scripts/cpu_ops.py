@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
-    shapes = [tuple(int(v) for v in x.split("x")) for x in args.prefill.split(",")]
+    shapes = [tuple(int(v) for v in x.split("x")) for x in args.prefill.split(",") if x]     # "" = no prefill
     longest = max(contexts + [n for _, n in shapes]) + 2
     steps = Steps(CHECKPOINT, max([args.batch] + [b for b, _ in shapes]), longest, args.store)
     bw = Bandwidth(2**30)
