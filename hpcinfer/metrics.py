@@ -45,7 +45,7 @@ def matmul_params(arch) -> int:
 
 # Attributes of a model object that hold no weights of its own (shared handles, rotary tables, the KV cache and
 # the offload tiers).
-_NOT_WEIGHTS = ("ops", "arch", "tp", "groups", "weights", "cache", "caches", "kv", "rope")
+NOT_WEIGHTS = ("ops", "arch", "tp", "groups", "weights", "cache", "caches", "kv", "rope")
 
 
 def held_weight_bytes(obj, seen: set | None = None) -> int:
@@ -67,7 +67,7 @@ def held_weight_bytes(obj, seen: set | None = None) -> int:
     if isinstance(obj, dict):
         return sum(held_weight_bytes(x, seen) for x in obj.values())
     if hasattr(obj, "__dict__"):
-        return sum(held_weight_bytes(v, seen) for k, v in vars(obj).items() if k not in _NOT_WEIGHTS)
+        return sum(held_weight_bytes(v, seen) for k, v in vars(obj).items() if k not in NOT_WEIGHTS)
     return 0
 
 

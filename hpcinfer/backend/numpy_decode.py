@@ -5,7 +5,8 @@ for SmolLM2): far below OpenBLAS's threading threshold, so BLAS runs each on one
 one core's bandwidth (about 19 GB/s of the machine's 42 here; issue 23, bench/results/cpu-ops-*.md). The sequences
 are independent, so they are split into contiguous row blocks, one per thread (the caller's and `threads - 1`
 workers of a pool; np.matmul releases the GIL): each sequence's arithmetic is the one it has alone, so the result
-is bit for bit the single-threaded one whatever the split.
+is bit for bit the single-threaded one whatever the split. A short step stays on the caller's thread
+(MIN_PART_BYTES).
 
 The scores and the scaled queries live in buffers reused from step to step (one per thread, grown to the longest
 step seen): a decode step allocates only its output and a few [S, Hkv, g, 1] reductions.
@@ -19,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 F32 = np.float32
+MIN_PART_BYTES = 1 << 20  # K/V bytes a thread must read for a split to pay: a hand-off to a worker costs ~50 us,
+                          # what one core reads of 1 MiB (a step of 8 x 128 positions of SmolLM2 is break-even)
 
 
 def usable_cores() -> int:
@@ -38,7 +41,8 @@ class DecodeAttention:
     def __call__(self, q, keys, values, lengths, scale: float) -> np.ndarray:
         S, heads, hd = q.shape
         out = np.empty((S, heads * hd), dtype=F32)
-        bounds = np.linspace(0, S, min(self.threads, S) + 1).astype(int)            # [parts + 1] row blocks
+        work = (keys.nbytes + values.nbytes) // MIN_PART_BYTES
+        bounds = np.linspace(0, S, max(1, min(self.threads, S, work)) + 1).astype(int)  # [parts + 1] row blocks
         parts = [(p, int(a), int(b)) for p, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
         futures = [self._workers().submit(self._rows, p, q[a:b], keys[a:b], values[a:b], lengths[a:b], scale,
                                           out[a:b]) for p, a, b in parts[1:]]

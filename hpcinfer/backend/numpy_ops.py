@@ -116,7 +116,7 @@ class NumpyOps:
 
     # The norms and activations below write into arrays they allocated themselves (never into x): each NumPy
     # temporary is a fresh [T, D] block, so fewer of them means less memory traffic (and, without the malloc
-    # settings of tune_host_malloc, fewer page faults). The float operations and their order are the original
+    # settings of glibc malloc, docs/embed.md, fewer page faults). The float operations and their order are the original
     # expressions' (in comments), so results are bit-identical to them.
     def layer_norm(self, x, weight, bias, eps: float):
         mean = x.mean(axis=-1, keepdims=True)                # [T, 1]

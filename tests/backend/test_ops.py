@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from hpcinfer.backend.ops import make_ops
+from hpcinfer.backend import numpy_decode
 from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
 
@@ -172,10 +174,11 @@ def test_decode_over_ascending_slots_with_gaps_gives_each_rows_own_bits():
 
 
 @pytest.mark.parametrize("threads", [2, 3, 8])
-def test_decode_attention_on_threads_gives_the_single_thread_bits(threads):
+def test_decode_attention_on_threads_gives_the_single_thread_bits(threads, monkeypatch):
     """Decode attention splits the sequences over the rank's threads (backend/numpy_decode.py): any split, also
     more threads than sequences, gives the bits of one thread, and equals softmax(q K^T / mask) V in float64.
     Repeated calls reuse the scratch buffers (a shorter step after a longer one, then a longer one again)."""
+    monkeypatch.setattr(numpy_decode, "MIN_PART_BYTES", 1)                # split however small the step
     S, heads, kv_heads, hd = 5, 6, 2, 8
     one, many = NumpyOps(threads=1), NumpyOps(threads=threads)
     for L in (12, 7, 30):
@@ -192,8 +195,23 @@ def test_decode_attention_on_threads_gives_the_single_thread_bits(threads):
                 np.testing.assert_allclose(want[s, h * hd:(h + 1) * hd], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_decode_attention_splits_only_a_step_worth_a_thread(monkeypatch):
+    """A step whose K/V bytes are below MIN_PART_BYTES a thread stays on the caller's thread (a hand-off costs more
+    than it reads); a longer one is split."""
+    two, parts = NumpyOps(threads=2), []
+    rows = two.decode_attention._rows
+    monkeypatch.setattr(two.decode_attention, "_rows", lambda part, *args: parts.append(part) or rows(part, *args))
+    S, kv_heads, hd = 4, 2, 64
+    short = numpy_decode.MIN_PART_BYTES // (2 * S * kv_heads * hd * 4)   # K + V of the step: one part's bytes
+    for L, want in ((short, [0]), (2 * short, [0, 1])):
+        parts.clear()
+        two._decode_over(randn(S, 6, hd), randn(S, kv_heads, L, hd), randn(S, kv_heads, L, hd), np.full(S, L), 0.3)
+        assert sorted(parts) == want
+
+
 def test_decode_attention_raises_a_workers_error(monkeypatch):
     """An error in a worker thread's rows reaches the caller (no silent partial output)."""
+    monkeypatch.setattr(numpy_decode, "MIN_PART_BYTES", 1)
     two = NumpyOps(threads=2)
     rows = two.decode_attention._rows
 
@@ -217,3 +235,10 @@ def test_step_layout_positions_and_last_tokens():
     assert step.positions.tolist() == [3, 4, 0, 1, 2]
     assert step.last_token_index.tolist() == [1, 4]
     assert not step.is_decode and StepLayout.build([0], [5], [1]).is_decode
+
+
+def test_make_ops_gives_numpy_the_ranks_threads():
+    """`[runtime] threads` reaches the NumPy backend's decode attention (runtime._compute_setup passes it); without
+    it, the usable cores, as OpenBLAS's own default."""
+    assert make_ops("numpy", threads=3).decode_attention.threads == 3
+    assert make_ops("numpy").decode_attention.threads == numpy_decode.usable_cores()

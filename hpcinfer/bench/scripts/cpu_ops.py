@@ -27,7 +27,7 @@ from ...api import load_model
 from ...backend.interface import StepLayout
 from ...generate.paged_cache import PagedKVCache
 from ...generate.slot_cache import SlotKVCache
-from ...metrics import held_weight_bytes
+from ...metrics import NOT_WEIGHTS, held_weight_bytes
 from ...quant.kv import kv_bytes_per_token
 from ..chat_workload import CHECKPOINT, GGUF
 from ..common import git_commit, logger, machine_info, median
@@ -147,6 +147,52 @@ def prefill_rows(steps: Steps, shapes: list, repeats: int, hf) -> list:
     return rows
 
 
+def weight_matrices(obj, seen: set | None = None) -> list:
+    """The float32 [out, in] matrices a model holds (each once; the tied LM head is the embedding table): what a
+    decode step multiplies by, as metrics.held_weight_bytes counts it."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, type):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        return [obj] if obj.ndim == 2 and obj.dtype == np.float32 and min(obj.shape) > 1 else []
+    if isinstance(obj, (list, tuple)):
+        return [m for x in obj for m in weight_matrices(x, seen)]
+    if isinstance(obj, dict):
+        return [m for x in obj.values() for m in weight_matrices(x, seen)]
+    if hasattr(obj, "__dict__"):
+        return [m for k, v in vars(obj).items() if k not in NOT_WEIGHTS for m in weight_matrices(v, seen)]
+    return []
+
+
+def gemm_rows(model, tokens: list, repeats: int) -> dict:
+    """The projections alone: ops.linear of `tokens` rows over every weight matrix the model holds, per token
+    count (median of `repeats`), as GB/s of weights and GFLOP/s, against the BLAS's float32 GEMM peak on a large
+    square product (2048^3) in the same run: how far a few-row product is from memory- and compute-bound."""
+    matrices = weight_matrices(model)
+    nbytes = sum(int(w.nbytes) for w in matrices)
+    rng = np.random.default_rng(2)
+    a, b = (rng.standard_normal((2048, 2048), dtype=np.float32) for _ in range(2))
+    peak = 2 * 2048**3 / median(_seconds(lambda: a @ b) for _ in range(repeats)) / 1e9
+    rows = []
+    for t in tokens:
+        xs = {n: rng.standard_normal((t, n), dtype=np.float32) for n in {w.shape[1] for w in matrices}}
+        run = lambda: [model.ops.linear(xs[w.shape[1]], w) for w in matrices]      # noqa: E731
+        run()
+        seconds = median(_seconds(run) for _ in range(repeats))
+        gflops = 2 * t * nbytes / 4 / seconds / 1e9
+        rows.append({"tokens": t, "ms": seconds * 1e3, "weight_GBps": nbytes / seconds / 1e9, "GFLOPs": gflops,
+                     "peak_share": gflops / peak})
+        log(f"projections of {t} tokens: {seconds * 1e3:.1f} ms")
+    return {"weight_bytes": nbytes, "matrices": len(matrices), "peak_GFLOPs": peak, "rows": rows}
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def report(result: dict) -> str:
     lines = [f"# One step of the NumPy backend, op by op, {result['date']}", "",
              f"SmolLM2-135M float32, KV store {result['store']} (blocks of {BLOCK}); {result['machine'].get('cpu_model')}, "
@@ -169,6 +215,16 @@ def report(result: dict) -> str:
         lines.append(f"| {r['batch']} x {r['length']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
                      f"{ops['attention']:.0f} | {ops.get('linear', 0) + ops.get('fused_linear', 0):.0f} | "
                      f"{vs or ' | '} |")
+    gemm = result.get("gemm")
+    if gemm:
+        lines += ["", f"Projections alone (ops.linear over the {gemm['matrices']} weight matrices, "
+                  f"{gemm['weight_bytes'] / 1e6:.0f} MB; the BLAS's float32 GEMM peak on 2048^3: "
+                  f"{gemm['peak_GFLOPs']:.0f} GFLOP/s):", "",
+                  "| tokens | ms | weight GB/s | share of read bandwidth | GFLOP/s | share of GEMM peak |",
+                  "|---|---|---|---|---|---|"]
+        for r in gemm["rows"]:
+            lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {r['weight_GBps']:.1f} | {r['weight_GBps'] / bw:.0%} | "
+                         f"{r['GFLOPs']:.0f} | {r['peak_share']:.0%} |")
     return "\n".join(lines + [""])
 
 
@@ -178,6 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="128,400,1024")
     p.add_argument("--prefill", default="16x128,8x414")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--gemm", default="1,2,4,8,16,32",
+                   help="token counts of the projections-alone table (\"\" = none)")
     p.add_argument("--store", choices=("slots", "paged"), default="slots",
                    help="the KV store: NumPy's dense slots (what `hpcinfer run` uses) or the paged pool")
     p.add_argument("--no-hf", action="store_true")
@@ -195,6 +253,7 @@ def main(argv=None) -> int:
               "machine": machine_info(), "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)),
               "bandwidth_GBps": bandwidth, "store": args.store}
     result["decode"] = decode_rows(steps, args.batch, contexts, args.repeats)
+    result["gemm"] = gemm_rows(steps.model, [int(x) for x in args.gemm.split(",") if x], args.repeats)
     hf = None if args.no_hf else Transformers(str(GGUF))
     result["prefill"] = prefill_rows(steps, shapes, args.repeats, hf)
     write_results(args.out, "cpu-ops", result, report(result), log)
