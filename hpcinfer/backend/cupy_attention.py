@@ -29,7 +29,6 @@ from .cupy_decode import DECODE, launch_decode
 from .cupy_graphs import DeviceStep
 from .interface import StepLayout
 from .kv_attention import SplitRows, split_attention
-from .numpy_ops import NumpyOps
 
 F32 = np.float32
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
@@ -112,7 +111,7 @@ def host_attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: floa
     host (NumpyOps, the cache appended and read in place); only the step's q, k, v [T, heads, hd] go down and the
     context [T, H*hd] comes back up, never the cache."""
     host_q, host_k, host_v = (ops.to_host(a).astype(F32, copy=False) for a in (q, k, v))
-    out = NumpyOps().attention(host_q, host_k, host_v, cache_k, cache_v, step, scale, topk)
+    out = ops.host_ops.attention(host_q, host_k, host_v, cache_k, cache_v, step, scale, topk)
     return ops.asarray(out)
 
 

@@ -38,6 +38,7 @@ from . import cupy_attention, cupy_moe, cupy_paged, cupy_quant, cupy_sbi, moe_op
 from .cupy_dtypes import BF16_BITS, is_bf16
 from .cupy_transfer import StreamCopies
 from .interface import StepLayout, unfused_linear
+from .numpy_ops import NumpyOps
 
 F32 = np.float32
 
@@ -77,7 +78,7 @@ class CupyOps:
 
     name = "cupy"
 
-    def __init__(self, device: int | None = None, kernels: bool = True):
+    def __init__(self, device: int | None = None, kernels: bool = True, host_threads: int | None = None):
         cupy = _import_cupy()
         if cupy is None:
             raise ConfigError("[runtime] backend = \"cupy\" needs cupy: pip install -e '.[gpu]' (cupy-cuda12x, or "
@@ -95,6 +96,8 @@ class CupyOps:
         self.kernels = kernels               # launch the cuda_src/ kernels (False: plain CuPy only)
         self._sm_count = None
         self.library_calls = 0               # cuBLAS calls made (matmul): a CUDA graph cannot capture them
+        self.host_ops = NumpyOps(host_threads)   # CPU delegation's attention (cupy_attention.host_attention) on
+                                                 # the rank's BLAS threads
 
     def use_device(self) -> None:
         """Make this rank's GPU current on the calling host thread (CUDA's current device is per thread: threads

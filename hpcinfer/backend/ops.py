@@ -22,11 +22,11 @@ def make_ops(backend: str, device: int | None = None, threads: int | None = None
     """Resolve `[runtime] backend`: numpy; cupy (a CUDA GPU, or a ConfigError saying why not); auto = cupy when
     cupy sees a GPU, else numpy. `device` (cupy only): the GPU among the visible ones, taken modulo their count;
     the runtime passes the node-local rank. None selects no device and touches no GPU (a check of the config).
-    `threads` (numpy only): the rank's BLAS threads, over which decode attention splits its sequences; default the
-    usable cores."""
+    `threads`: the rank's BLAS threads, over which the NumPy decode attention splits its sequences (on cupy: CPU
+    attention delegation's); default the usable cores."""
     backend = resolve_backend(backend)
     if backend == "numpy":
         return NumpyOps(threads)
     if backend == "cupy":
-        return cupy_ops.CupyOps(device)
+        return cupy_ops.CupyOps(device, host_threads=threads)
     raise ConfigError(f"[runtime] backend = {backend!r} is not one of {', '.join(BACKENDS)}")
