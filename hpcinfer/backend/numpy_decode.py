@@ -15,7 +15,7 @@ step seen): a decode step allocates only its output and a few [S, Hkv, g, 1] red
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -46,9 +46,12 @@ class DecodeAttention:
         parts = [(p, int(a), int(b)) for p, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
         futures = [self._workers().submit(self._rows, p, q[a:b], keys[a:b], values[a:b], lengths[a:b], scale,
                                           out[a:b]) for p, a, b in parts[1:]]
-        if parts:
-            p, a, b = parts[0]
-            self._rows(p, q[a:b], keys[a:b], values[a:b], lengths[a:b], scale, out[a:b])
+        try:
+            if parts:
+                p, a, b = parts[0]
+                self._rows(p, q[a:b], keys[a:b], values[a:b], lengths[a:b], scale, out[a:b])
+        finally:
+            wait(futures)                                     # no worker outlives the call (its scratch is reused)
         for future in futures:
             future.result()                                   # re-raises a worker's exception here
         return out

@@ -1,6 +1,7 @@
 """Each NumPy op against a plain reference (float64 formulas, torch's functional ops, or a naive loop)."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -235,6 +236,24 @@ def test_step_layout_positions_and_last_tokens():
     assert step.positions.tolist() == [3, 4, 0, 1, 2]
     assert step.last_token_index.tolist() == [1, 4]
     assert not step.is_decode and StepLayout.build([0], [5], [1]).is_decode
+
+
+def test_decode_attention_waits_for_its_workers_when_the_callers_rows_fail(monkeypatch):
+    """The caller's own block raising still waits for the workers' blocks: none outlives the call (their scratch
+    buffers are reused by the next step)."""
+    monkeypatch.setattr(numpy_decode, "MIN_PART_BYTES", 1)
+    two, finished = NumpyOps(threads=2), []
+
+    def rows(part, *args):
+        if part == 0:
+            raise FloatingPointError("caller rows")
+        time.sleep(0.2)
+        finished.append(part)
+
+    monkeypatch.setattr(two.decode_attention, "_rows", rows)
+    with pytest.raises(FloatingPointError, match="caller rows"):
+        two._decode_over(randn(4, 6, 8), randn(4, 2, 5, 8), randn(4, 2, 5, 8), np.full(4, 5), 0.3)
+    assert finished == [1]
 
 
 def test_make_ops_gives_numpy_the_ranks_threads():
