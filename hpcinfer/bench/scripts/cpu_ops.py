@@ -1,13 +1,16 @@
 """python -m hpcinfer.bench.scripts.cpu_ops: where one step of the NumPy backend goes, op by op (issue 23).
 
-On SmolLM2 float32 over the continuous schedule's paged KV cache: a decode step of `--batch` sequences at a few
-context lengths, and a prefill of batch x length prompts, each timed `--repeats` times after a warm-up (medians).
+On SmolLM2 float32 over the continuous schedule's KV store (NumPy's dense slots; --store paged: the paged pool): a
+decode step of `--batch` sequences at a few context lengths, and a prefill of batch x length prompts, each timed
+`--repeats` times after a warm-up (medians).
 Every call of the Ops seam (backend/interface.Ops) the model makes is timed by wrapping the ops object's methods;
 a decode step's projections are reported as weight bytes read per second and its attention as K/V bytes read per
 second, next to the machine's read bandwidth (scripts/cpu.Bandwidth, measured in the same run). Also the same
-prefill in transformers, as the issue's prefill target compares them.
+prefill in transformers, as the issue's prefill target compares them. Then the projections alone per token count
+(gemm_rows), against the read bandwidth and the BLAS's own GEMM peak.
 
     python -m hpcinfer.bench.scripts.cpu_ops [--batch 8] [--contexts 128,400,1024] [--prefill 16x128,8x414]
+                                             [--gemm 1,2,4,8,16,32]
 
 Writes bench/results/cpu-ops-<date>.json and .md.
 """
