@@ -7,10 +7,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.bench import chat_workload
 from hpcinfer.bench.scripts import chat_cpu
+from hpcinfer.bench.scripts.cpu_ops import weight_matrices
+from hpcinfer.checkpoint.presets import PRESETS, open_preset
+from hpcinfer.comm.group import Groups
+from hpcinfer.metrics import held_weight_bytes
+from hpcinfer.model.transformer import Decoder
 
 
 def test_the_kept_workload_has_its_shape():
@@ -74,3 +81,15 @@ def test_op_clock_counts_outermost_calls_only():
     assert set(taken) == {"linear", "fused_linear"}
     assert 0.01 <= taken["fused_linear"] < 0.05 and 0.01 <= taken["linear"] < 0.05
     assert clock.take() == {}
+
+
+def test_weight_matrices_are_every_matrix_a_decode_step_multiplies_by_once():
+    """cpu_ops.weight_matrices (the projections-alone table): every float32 [out, in] matrix the model holds, each
+    once (the tied LM head is the embedding table), nearly all of held_weight_bytes (the rest: norms, biases)."""
+    model = Decoder(NumpyOps(), Groups(), PRESETS["tiny-dense"]).load(open_preset("tiny-dense"))
+    matrices = weight_matrices(model)
+    assert len({id(m) for m in matrices}) == len(matrices)
+    assert all(m.ndim == 2 and m.dtype == np.float32 for m in matrices)
+    assert len(matrices) >= model.arch.num_layers * 2 + 1
+    held, counted = held_weight_bytes(model), sum(m.nbytes for m in matrices)
+    assert 0.9 * held <= counted <= held
