@@ -45,17 +45,41 @@ def matmul_params(arch) -> int:
 
 # Attributes of a model object that hold no weights of its own (shared handles, rotary tables, the KV cache and
 # the offload tiers).
-NOT_WEIGHTS = ("ops", "arch", "tp", "groups", "weights", "cache", "caches", "kv", "rope")
+_NOT_WEIGHTS = ("ops", "arch", "tp", "groups", "weights", "cache", "caches", "kv", "rope")
 
 
-def held_weight_bytes(obj, seen: set | None = None) -> int:
-    """Bytes of the weights a model (one rank's share) holds, as held: a sharded layer counts what
-    parallel.layers.weight_bytes says (its quantized q, scale and min, or its float matrix), any other array
-    reachable from the model (norms, biases, MoE expert stacks) its nbytes; each object once (a tied LM head is the
-    embedding table)."""
+def is_sharded_layer(obj) -> bool:
+    """A sharded layer of parallel/layers.py (its weights: a float matrix or a quantized one)."""
+    return hasattr(obj, "qw") or hasattr(obj, "qtable")
+
+
+def weight_leaves(obj, seen: set | None = None):
+    """The weights a model (one rank's share) holds, each object once (a tied LM head is the embedding table):
+    its sharded layers (and a layer's bias), and every other array reachable from it (norms, biases, MoE expert
+    stacks)."""
     seen = set() if seen is None else seen
     if id(obj) in seen or isinstance(obj, type):                 # a class (a dtype, say) holds no weights
-        return 0
+        return
+    seen.add(id(obj))
+    if is_sharded_layer(obj):
+        yield obj
+        bias = getattr(obj, "b", None)
+        if bias is not None:
+            yield from weight_leaves(bias, seen)
+    elif hasattr(obj, "nbytes") and hasattr(obj, "shape"):       # an array (NumPy, or the ops' device arrays)
+        yield obj
+    elif isinstance(obj, (list, tuple, dict)) or hasattr(obj, "__dict__"):
+        children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else \
+            [v for k, v in vars(obj).items() if k not in _NOT_WEIGHTS]
+        for child in children:
+            yield from weight_leaves(child, seen)
+
+
+def held_weight_bytes(obj) -> int:
+    """Bytes of the weights a model (one rank's share) holds, as held: a sharded layer counts what
+    parallel.layers.weight_bytes says (its quantized q, scale and min, or its float matrix), any other array its
+    nbytes (weight_leaves)."""
+    return sum(weight_bytes(x) if is_sharded_layer(x) else int(x.nbytes) for x in weight_leaves(obj))
     seen.add(id(obj))
     if hasattr(obj, "qw") or hasattr(obj, "qtable"):             # a sharded layer (parallel/layers.py)
         extra = getattr(obj, "b", None)

@@ -46,10 +46,9 @@ class DecodeAttention:
         parts = [(p, int(a), int(b)) for p, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
         futures = [self._workers().submit(self._rows, p, q[a:b], keys[a:b], values[a:b], lengths[a:b], scale,
                                           out[a:b]) for p, a, b in parts[1:]]
+        p, a, b = parts[0]                                    # the caller's own block
         try:
-            if parts:
-                p, a, b = parts[0]
-                self._rows(p, q[a:b], keys[a:b], values[a:b], lengths[a:b], scale, out[a:b])
+            self._rows(p, q[a:b], keys[a:b], values[a:b], lengths[a:b], scale, out[a:b])
         finally:
             wait(futures)                                     # no worker outlives the call (its scratch is reused)
         for future in futures:

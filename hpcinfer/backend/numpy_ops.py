@@ -115,8 +115,8 @@ class NumpyOps:
         return table[ids].astype(F32, copy=False)
 
     # The norms and activations below write into arrays they allocated themselves (never into x): each NumPy
-    # temporary is a fresh [T, D] block, so fewer of them means less memory traffic (and, without the malloc
-    # settings of glibc malloc, docs/embed.md, fewer page faults). The float operations and their order are the original
+    # temporary is a fresh [T, D] block, so fewer of them means less memory traffic (and, without glibc's malloc
+    # settings of docs/embed.md, fewer page faults). The float operations and their order are the original
     # expressions' (in comments), so results are bit-identical to them.
     def layer_norm(self, x, weight, bias, eps: float):
         mean = x.mean(axis=-1, keepdims=True)                # [T, 1]

@@ -34,7 +34,7 @@ def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None
     _, dp_index, _ = mesh.coords
     capacity = [min(len(job.prompts[i].tokens) + g.max_new_tokens, model.arch.max_positions) for i in todo]
     mine = [todo[k] for k in balanced_shares(capacity, mesh.shape.dp)[dp_index]]
-    cache = _paged_cache(model, config, mesh, max(1, min(running, len(mine))),
+    cache = _continuous_cache(model, config, mesh, max(1, min(running, len(mine))),
                          max((capacity[todo.index(i)] for i in mine), default=1))
     per_round = g.batch_size if lockstep is not None else mesh.shape.dp * g.batch_size
     points = max(1, -(-len(todo) // per_round))                                # the static schedule's rounds
@@ -57,7 +57,7 @@ def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None
     return commits.results + served
 
 
-def _paged_cache(model, config, mesh, running: int, longest: int):
+def _continuous_cache(model, config, mesh, running: int, longest: int):
     """This rank's KV store for the continuous schedule: a pool of `[schedule] kv_cache_memory` over the bytes of a
     block of its layers, or `running` sequences (batch_size, or fewer when the share has fewer prompts) at their
     longest; with pp > 1 every stage takes the smallest stage's block count (the first stage's block tables index

@@ -30,7 +30,7 @@ from ...api import load_model
 from ...backend.interface import StepLayout
 from ...generate.paged_cache import PagedKVCache
 from ...generate.slot_cache import SlotKVCache
-from ...metrics import NOT_WEIGHTS, held_weight_bytes
+from ...metrics import held_weight_bytes, is_sharded_layer, weight_leaves
 from ...quant.kv import kv_bytes_per_token
 from ..chat_workload import CHECKPOINT, GGUF
 from ..common import git_commit, logger, machine_info, median
@@ -150,22 +150,19 @@ def prefill_rows(steps: Steps, shapes: list, repeats: int, hf) -> list:
     return rows
 
 
-def weight_matrices(obj, seen: set | None = None) -> list:
+def weight_matrices(model) -> list:
     """The float32 [out, in] matrices a model holds (each once; the tied LM head is the embedding table): what a
     decode step multiplies by, as metrics.held_weight_bytes counts it."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or isinstance(obj, type):
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, np.ndarray):
-        return [obj] if obj.ndim == 2 and obj.dtype == np.float32 and min(obj.shape) > 1 else []
-    if isinstance(obj, (list, tuple)):
-        return [m for x in obj for m in weight_matrices(x, seen)]
-    if isinstance(obj, dict):
-        return [m for x in obj.values() for m in weight_matrices(x, seen)]
-    if hasattr(obj, "__dict__"):
-        return [m for k, v in vars(obj).items() if k not in NOT_WEIGHTS for m in weight_matrices(v, seen)]
-    return []
+    held = [_float_matrix(leaf) for leaf in weight_leaves(model)]
+    return [m for m in held if isinstance(m, np.ndarray) and m.ndim == 2 and m.dtype == np.float32
+            and min(m.shape) > 1]
+
+
+def _float_matrix(leaf):
+    """A weight leaf's float array: a sharded layer's matrix `w` or `table` (None when quantized), or the array."""
+    if not is_sharded_layer(leaf):
+        return leaf
+    return leaf.w if getattr(leaf, "w", None) is not None else getattr(leaf, "table", None)
 
 
 def gemm_rows(model, tokens: list, repeats: int) -> dict:
