@@ -207,6 +207,10 @@ class RuntimeSection:
         "mpi)", choices=COMMS))
     threads: int = field(default=0, metadata=_meta("BLAS threads per rank; 0 = cores / ranks on the node",
                                                    _non_negative))
+    cpu_kernels: str = field(default="auto", metadata=_meta(
+        "the NumPy backend's kernels: numba (compiled CPU kernels, backend/cpu_kernels), numpy (NumPy/BLAS only: "
+        "the reference), auto (numba wherever it imports); on cupy, CPU attention delegation's",
+        choices=("auto", "numba", "numpy")))
     comm_timeout: float = field(default=600.0, metadata=_meta(
         "seconds a collective or point-to-point transfer may take before the watchdog ends the job (exit code 3; "
         "docs/reliability.md)", lambda v: (v > 0, "must be > 0 (seconds)")))

@@ -202,7 +202,8 @@ def _compute_setup(world, config, pp: int, ranks_per_node: int):
     mesh = build_mesh(world, config.parallel.tp, pp, ranks_per_node, config.runtime.comm_timeout)
     threads = _set_threads(config, world)
     _print_mesh(world, mesh, threads)
-    ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank, threads=threads))
+    ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank, threads=threads,
+                                                   cpu_kernels=config.runtime.cpu_kernels))
     comm = agree(world, lambda: resolve_comm(config.runtime.comm, ops, world))
     agree(world, lambda: check_graphs_comm(config, comm))         # [runtime] cuda_graphs with tp over MPI
     return mesh, threads, ops, _groups(config, mesh, device_group_factory(comm, ops)), comm

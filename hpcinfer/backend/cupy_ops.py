@@ -78,7 +78,8 @@ class CupyOps:
 
     name = "cupy"
 
-    def __init__(self, device: int | None = None, kernels: bool = True, host_threads: int | None = None):
+    def __init__(self, device: int | None = None, kernels: bool = True, host_threads: int | None = None,
+                 host_kernels: str = "numpy"):
         cupy = _import_cupy()
         if cupy is None:
             raise ConfigError("[runtime] backend = \"cupy\" needs cupy: pip install -e '.[gpu]' (cupy-cuda12x, or "
@@ -96,8 +97,8 @@ class CupyOps:
         self.kernels = kernels               # launch the cuda_src/ kernels (False: plain CuPy only)
         self._sm_count = None
         self.library_calls = 0               # cuBLAS calls made (matmul): a CUDA graph cannot capture them
-        self.host_ops = NumpyOps(host_threads)   # CPU delegation's attention (cupy_attention.host_attention) on
-                                                 # the rank's BLAS threads
+        # CPU delegation's attention (cupy_attention.host_attention) on the rank's BLAS threads and CPU kernels
+        self.host_ops = NumpyOps(host_threads, host_kernels)
 
     def use_device(self) -> None:
         """Make this rank's GPU current on the calling host thread (CUDA's current device is per thread: threads

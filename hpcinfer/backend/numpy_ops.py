@@ -31,9 +31,11 @@ class NumpyOps:
     continuous_kv = "slots"   # the continuous schedule keeps rows in dense slots (generate/slot_cache.py): a paged
                               # pool's rows would be gathered with np.take at every step
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, cpu_kernels: str = "numpy"):
         """threads: the rank's BLAS threads (runtime._set_threads), which decode attention splits its sequences
-        over (backend/numpy_decode.py); default the usable cores, as OpenBLAS's own default."""
+        over (backend/numpy_decode.py); default the usable cores, as OpenBLAS's own default. cpu_kernels: "numba" (the
+        compiled kernels of backend/cpu_kernels where they exist) or "numpy" (NumPy/BLAS only, the reference)."""
+        self.cpu_kernels = cpu_kernels
         self.decode_attention = DecodeAttention(usable_cores() if threads is None else threads)
 
     # ---- memory ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from . import cupy_ops
+from .cpu_kernels import resolve as resolve_cpu_kernels
 from .interface import BACKENDS, Ops
 from .numpy_ops import NumpyOps
 
@@ -18,15 +19,17 @@ def resolve_backend(requested: str) -> str:
     return "cupy" if cupy_ops.gpu_available() else "numpy"
 
 
-def make_ops(backend: str, device: int | None = None, threads: int | None = None) -> Ops:
+def make_ops(backend: str, device: int | None = None, threads: int | None = None,
+             cpu_kernels: str = "auto") -> Ops:
     """Resolve `[runtime] backend`: numpy; cupy (a CUDA GPU, or a ConfigError saying why not); auto = cupy when
     cupy sees a GPU, else numpy. `device` (cupy only): the GPU among the visible ones, taken modulo their count;
     the runtime passes the node-local rank. None selects no device and touches no GPU (a check of the config).
     `threads`: the rank's BLAS threads, over which the NumPy decode attention splits its sequences (on cupy: CPU
-    attention delegation's); default the usable cores."""
+    attention delegation's); default the usable cores. `cpu_kernels`: `[runtime] cpu_kernels` (backend/cpu_kernels),
+    the NumPy backend's compiled kernels (on cupy: CPU attention delegation's)."""
     backend = resolve_backend(backend)
     if backend == "numpy":
-        return NumpyOps(threads)
+        return NumpyOps(threads, resolve_cpu_kernels(cpu_kernels))
     if backend == "cupy":
-        return cupy_ops.CupyOps(device, host_threads=threads)
+        return cupy_ops.CupyOps(device, host_threads=threads, host_kernels=resolve_cpu_kernels(cpu_kernels))
     raise ConfigError(f"[runtime] backend = {backend!r} is not one of {', '.join(BACKENDS)}")
