@@ -3,7 +3,7 @@ the pp=1 single-rank baseline and dp=2 for reference, on SmolLM2 (float32) and t
 in alternating rounds, through the real CLI (`mpiexec -n N python -m hpcinfer run CONFIG --set ...`). See
 docs/bench-scripts.md.
 
-    python -m hpcinfer.bench.scripts.pipeline --checkpoint models/smollm2.h5 --out bench/results --repeats 3
+    python -m bench.pipeline --checkpoint models/smollm2.h5 --out bench/results --repeats 3
 
 Writes bench/results/pipeline-<YYYY-MM-DD>.json (machine, versions, settings, every run's metrics, medians, ratios,
 checks) and bench/results/pipeline-<YYYY-MM-DD>.md (the table), and prints the table.
@@ -23,11 +23,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ... import __version__
-from ...checkpoint.format import open_checkpoint
-from ...generate.tokenizer import TextTokenizer
-from ..common import (BUSY_WARN_CPUS, REPO, ChildCpuMeter, agreement, busy_warning, git_commit, loadavg, logger,
-                      machine_info, make_prompts, median, wait_quiet)
+from hpcinfer import __version__
+from hpcinfer.checkpoint.format import open_checkpoint
+from hpcinfer.generate.tokenizer import TextTokenizer
+from hpcinfer.bench.common import (BUSY_WARN_CPUS, ChildCpuMeter, agreement, busy_warning, git_commit, loadavg, logger,
+                                   machine_info, make_prompts, median, wait_quiet)
+
+from . import REPO
 from .results import write_results
 
 RUN_TIMEOUT_S = 300        # MPIEXEC_TIMEOUT of one run: a backstop against a hung job
@@ -229,7 +231,7 @@ def markdown(result: dict) -> str:
 # ---- main ------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.pipeline", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", default="models/smollm2.h5", help="hpcinfer float32 checkpoint")
     p.add_argument("--out", default="bench/results", help="folder for pipeline-<date>.json and .md")
@@ -373,7 +375,7 @@ def main(argv=None) -> int:
                                 f"--set generate.batch_size=...",
                      "prompts": f"{args.batch} consecutive {args.prompt_len}-token slices of pydoc_data/topics.py, "
                                 f"tokenized by the checkpoint's tokenizer without special tokens "
-                                f"(hpcinfer.bench.scripts.cpu)",
+                                f"(bench.cpu)",
                      "threads": "runtime.threads = 0: usable cores / ranks on the node (BLAS threads per rank)"},
         "model": {"checkpoint": args.checkpoint, "family": arch.family, "layers": arch.num_layers,
                   "parameters": arch.param_count()},
