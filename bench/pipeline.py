@@ -1,7 +1,9 @@
 """Pipeline benchmark: pp=2 with equal micro-batch counts against hybrid counts (DeepSpeed Inference Fig. 3), with
 the pp=1 single-rank baseline and dp=2 for reference, on SmolLM2 (float32) and the same prompts, all in one run,
-in alternating rounds, through the real CLI (`mpiexec -n N python -m hpcinfer run CONFIG --set ...`). See
-docs/bench-scripts.md.
+in alternating rounds, through the real CLI (`mpiexec -n N python -m hpcinfer run CONFIG --set ...`). Its question
+is the static schedule's (DeepSpeed's prompt and token micro-batch counts, which continuous batching does not have:
+its pipeline forms micro-batches from the running set at every step), so every layout runs with
+`[schedule] batching = "static"`, named. See docs/bench-scripts.md.
 
     python -m bench.pipeline --checkpoint models/smollm2.h5 --out bench/results --repeats 3
 
@@ -49,7 +51,7 @@ class Layout:
     batch_size: int            # [generate] batch_size: prompts per batch on each data-parallel replica
 
     def overrides(self) -> list[str]:
-        sets = [f"parallel.pp={self.pp}", f"generate.batch_size={self.batch_size}"]
+        sets = [f"parallel.pp={self.pp}", f"generate.batch_size={self.batch_size}", 'schedule.batching="static"']
         if self.pp > 1:
             sets += [f"schedule.prompt_micro_batches={self.prompt_mb}",
                      f"schedule.gen_micro_batches={self.gen_mb}"]
