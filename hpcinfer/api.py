@@ -1,8 +1,11 @@
-"""A small Python API over the same model code, for tests, notebooks and benchmarks.
+"""A small Python API over the same model code, for tests, notebooks and benchmarks (the repository's bench/).
 
     model = load_model("model.h5")                     # one process, NumPy backend (or pass groups= for tp)
     logits = prompt_logits(model, [[1, 2, 3], [4, 5]])  # [S, V]: each prompt's last-position logits
     tokens = generate(model, prompts, max_new_tokens=8)  # greedy, ignoring EOS: generated ids per prompt
+
+load_model's arguments are the `[model]` keys of a job (and `[generate] attention_topk`); generate runs the path
+`hpcinfer run` runs by default (continuous batching), with `[schedule]` keys as a config.ScheduleSection.
 """
 
 from __future__ import annotations
@@ -13,22 +16,33 @@ from .backend.interface import StepLayout
 from .backend.ops import make_ops
 from .checkpoint.format import open_checkpoint
 from .comm.group import Groups
-from .generate.engine import GenerationParams, StepTimes
+from .config import ScheduleSection
+from .generate.engine import GenerationParams, ScheduleParams, StepTimes
+from .generate.graphs import paged_decode_graphs
 from .generate.kv_cache import KVCache
+from .generate.replica import continuous_cache
+from .generate.runner import Runner
 from .generate.sampling import SamplingParams
+from .generate.schedules.continuous import ContinuousParams, run_continuous
 from .generate.schedules.pipeline import generate_batch
 from .model.transformer import Decoder
+from .quant.kv import kv_format
 from .quant.storage import load_quant
 
 
 def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", backend: str = "numpy",
-               quantize: str = "none", group_size: int | None = None, embedding: str = "int8") -> Decoder:
+               quantize: str = "none", group_size: int | None = None, embedding: str = "int8",
+               kv_cache: str = "none", kv_cache_group: int = 64, attention_topk: float = 0.0,
+               device: int = 0) -> Decoder:
     """quantize: "int8" | "int4" | "asym8" quantizes a float checkpoint (or a --keep-quantized one) while loading;
     group_size None: the source's block grid, else 64; embedding: int4's embedding / LM head at 8 bits ("int8") or
-    int4 ("same") (docs/quantization.md)."""
+    int4 ("same") (docs/quantization.md). kv_cache, kv_cache_group: `[model] kv_cache` and `kv_cache_group`;
+    attention_topk: `[generate] attention_topk`. device: the GPU of backend "cupy"."""
     with open_checkpoint(path) as ckpt:
         quant = load_quant(ckpt, quantize, group_size, embedding)
-        return Decoder(make_ops(backend), groups or Groups(), ckpt.arch, dtype).load(ckpt, quantize=quant)
+        kv = kv_format(kv_cache, kv_cache_group, ckpt.arch.head_dim)
+        return Decoder(make_ops(backend, device), groups or Groups(), ckpt.arch, dtype, kv_format=kv,
+                       attention_topk=attention_topk).load(ckpt, quantize=quant)
 
 
 def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:
@@ -42,8 +56,39 @@ def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:
 
 
 def generate(model: Decoder, prompts: list, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-             seed: int = 0, ignore_eos: bool = True) -> list:
-    """Generated token ids of each prompt (one batch)."""
+             seed: int = 0, ignore_eos: bool = True, *, schedule: ScheduleSection = ScheduleSection(),
+             cuda_graphs: bool = False, times: StepTimes | None = None) -> list:
+    """Generated token ids of each prompt, as `hpcinfer run` generates them on one rank with every prompt in one
+    running set (batch_size = the prompts): continuous batching over the paged KV store by default, or one static
+    batch with `schedule.batching = "static"`. cuda_graphs: `[runtime] cuda_graphs`. `times` (a StepTimes), when
+    given, collects the run's step timings (prefill_s, decode_s per step) and counters."""
     params = GenerationParams(max_new_tokens, sampling, seed, ignore_eos)
-    results = generate_batch(model, [list(p) for p in prompts], list(range(len(prompts))), params, StepTimes())
-    return [tokens for tokens, _ in results]
+    times = StepTimes() if times is None else times
+    prompts, indices = [list(p) for p in prompts], list(range(len(prompts)))
+    if schedule.batching == "static":
+        times.batching = "static"
+        results = generate_batch(model, prompts, indices, params, times, ScheduleParams(cuda_graphs=cuda_graphs))
+        return [tokens for tokens, _ in results]
+    times.batching = "continuous"
+    return _continuous(Runner(model, params), prompts, indices, times, schedule, cuda_graphs)
+
+
+def _continuous(runner: Runner, prompts: list, indices: list, times: StepTimes, schedule: ScheduleSection,
+                cuda_graphs: bool) -> list:
+    """The prompts batched continuously, all of them running at once (replica.continuous_share on one rank)."""
+    model, running = runner.model, max(1, len(prompts))
+    longest = max((min(len(p) + runner.params.max_new_tokens, model.arch.max_positions) for p in prompts), default=1)
+    cache = continuous_cache(model, schedule, running, longest)
+    exact = model.kv_format is not None or any(0 < b.attn.topk < 1 for b in model.blocks)   # as static steps
+    finished = []
+    graphs = paged_decode_graphs(runner, cache, cuda_graphs)
+    try:
+        run_continuous(runner, prompts, indices, times, ContinuousParams(running, schedule.step_tokens(running),
+                       whole_prompts=exact), cache, lambda done: finished.extend(done) or False, graphs=graphs)
+    finally:
+        if graphs is not None:
+            graphs.close()
+        runner.close()
+    times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.nbytes)     # the pool, allocated whole
+    generated = {s.index: s.generated for s in finished}
+    return [generated[i] for i in indices]

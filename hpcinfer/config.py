@@ -240,6 +240,8 @@ class GenerateSection:
         "top-k sparse decode attention: fraction of cached positions each query head keeps, in (0, 1]; 0 = off",
         lambda v: (0.0 <= v <= 1.0, "must be 0 (off) or a fraction in (0, 1]")))
     metrics: str | None = field(default=None, metadata=_meta("optional JSON metrics file", _path))
+    echo: bool = field(default=False, metadata=_meta(
+        "also print every answer on rank 0's console at the end, in input order (the output file always has them)"))
 
 
 POOLINGS = ("mean", "cls", "pooler", "none")

@@ -210,12 +210,14 @@ def _rounds(todo: list, dp: int, dp_index: int, lockstep: bool):
 
 def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> None:
     """Rank 0, at the end of a job that was not stopped: the output in input order (every batch was committed
-    by job.writer as it finished), the answers, the summary and the metrics."""
+    by job.writer as it finished), the summary and the metrics; the answers on the console too with
+    `[generate] echo` (a batch job of thousands of prompts would flood its log with them)."""
     job.writer.commit([r for report in reports for r in report.results])     # (empty when rounds committed)
     records = job.writer.finish()
-    for record in records:
-        answer = record.get("text", " ".join(map(str, record["output_tokens"])))
-        print(f"[{record['id']}] {answer!r} ({record['finish_reason']})", flush=True)
+    if job.config.generate.echo:
+        for record in records:
+            answer = record.get("text", " ".join(map(str, record["output_tokens"])))
+            print(f"[{record['id']}] {answer!r} ({record['finish_reason']})", flush=True)
     metrics = summarize(job.config, arch, mesh, reports, load_s, total_s, threads)
     if job.config.offload.active:
         blocks = -(-len(job.prompts) // job.config.generate.batch_size) / mesh.shape.dp

@@ -127,7 +127,7 @@ def _run(world, config_path: str, overrides: list[str], restart: bool = False, s
     t0 = time.perf_counter()
     stage = job.stages[mesh.coords[0]]
     with job.ckpt as ckpt:
-        runner = Runner.load(config, ckpt, ops, groups, stage, _weight_source(config, ops, rank, mesh, comm),
+        runner = Runner.load(config, ckpt, ops, groups, stage, weight_source(config, ops, rank, mesh, comm),
                              job.load_quant, lambda tiers: faults.after_block(tiers.place if tiers else None),
                              faults.sampling_hook(stage.is_last))
     load_s = time.perf_counter() - t0
@@ -218,7 +218,7 @@ def _groups(config, mesh, wrap) -> Groups:
     return Groups(tp=wrap(mesh.tp), pp=wrap(mesh.pp), stage=wrap(mesh.stage), dp=wrap(mesh.dp), moe=moe)
 
 
-def _weight_source(config, ops, rank: int, mesh=None, comm: str = "mpi"):
+def weight_source(config, ops, rank: int, mesh=None, comm: str = "mpi"):
     """The Decoder's `weights`: when [offload] is active (docs/offload.md), blocks -> the offload tiers of this
     rank's layers; None otherwise. comm: the resolved [runtime] comm (with "nccl", partitioned fetch gathers on the
     devices). Partitioned fetch splits the world when the tiers are made (collective: every rank builds its model)."""
@@ -229,8 +229,9 @@ def _weight_source(config, ops, rank: int, mesh=None, comm: str = "mpi"):
 
 def _weight_tiers(config, model, ops, rank: int, mesh=None, comm: str = "mpi"):
     """The offload tiers of a model's blocks, when [offload] is active (tests attach them to a model built
-    without them, as `model.weights`); None otherwise."""
-    source = _weight_source(config, ops, rank, mesh, comm)
+    without them, as `model.weights`: nothing else may); None otherwise. A model built as `hpcinfer run` builds it
+    takes weight_source's value instead (generate/runner.Runner.load)."""
+    source = weight_source(config, ops, rank, mesh, comm)
     return source(model.blocks) if source is not None else None
 
 

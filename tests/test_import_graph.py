@@ -167,3 +167,19 @@ def test_no_hidden_hpcinfer_imports():
     assert not left, "imports of hpcinfer modules inside functions (move them to the top):\n" + "\n".join(left)
     stale = listed - {(module, target) for module, _, target in lazy}
     assert not stale, f"listed imports no longer inside functions (remove them from the lists): {sorted(stale)}"
+
+
+OUTSIDE = ("bench", "gpu", "tests")   # the repository's folders beside the package: never shipped in the wheel
+
+
+def test_the_package_imports_nothing_from_outside_it():
+    """bench/ (the single-question benchmarks), gpu/ and tests/ import hpcinfer, never the other way round: an
+    installed hpcinfer has none of them."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in OUTSIDE]
+    assert not found, "\n".join(found)

@@ -15,7 +15,7 @@ per lane, a shuffle sum at the end. Its blocks hold 4 to 6 columns (ROW_TILES), 
 out >= 1600 makes >= 2 blocks per SM of 132 without an input split: one kernel, where the old tiling's 32-column
 blocks needed splits and the *_reduce kernel (12% of a gpt2-1.5b decode step, measured on an H200). For T > 1 the
 block stages its x rows (normalized, when a norm is fused) in shared memory, so that each x vector is read once per
-token and serves the warp's RW rows. "cols" (TILING=0) is kept so that one GPU run of bench/scripts/gpu_linear
+token and serves the warp's RW rows. "cols" (TILING=0) is kept so that one GPU run of bench/gpu_linear
 (`--tiling rows,cols`) compares both on the same shapes; "rows:WxRxU" forces a block shape there, to tune
 ROW_TILES.
 
@@ -183,7 +183,7 @@ def _vector_ok(a, n: int) -> bool:
 def fused_linear(ops, x, w, bias=None, norm=None, act=None, gated=False, residual=None, *, tiling="rows"):
     """act(norm(x) @ w.T + bias) (+ residual) -> [T, ncols] float32 through one SBI kernel (two with SPLITS > 1),
     or None when the kernel does not apply (kernels off, T > SBI_MAX_TOKENS, a layout or dtype it does not take).
-    `ops`: the CupyOps; norm: a backend.ops.NormParams or None; tiling: see plan (bench/scripts/gpu_linear
+    `ops`: the CupyOps; norm: a backend.ops.NormParams or None; tiling: see plan (bench/gpu_linear
     compares both)."""
     if not ops.kernels or x.ndim != 2 or x.dtype != F32 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         return None

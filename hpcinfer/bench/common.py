@@ -1,5 +1,6 @@
-"""What the suite runner (suites/) and the benchmark scripts (scripts/) share: the machine's description, how busy
-the rest of the machine was while we measured (the quiet-machine checks), prompts of real text, token agreement.
+"""What the suite runner (suites/) and the benchmark scripts (the repository's bench/) share: the machine's
+description, how busy the rest of the machine was while we measured (the quiet-machine checks), prompts of real
+text, token agreement.
 """
 
 from __future__ import annotations

@@ -97,6 +97,10 @@ def _build_presets() -> dict[str, ModelArch]:
     p["tiny-prmoe"] = _ds_moe(64, 4, 4, (0, 4, 0, 8), residual=True, vocab=256, positions=128)
     # tiny-moe with 256 positions: DeepSpeed Inference's MoE latency setting (prompt 128 + 100 generated) fits.
     p["tiny-moe-256"] = _ds_moe(64, 4, 4, _every_other(4, 8), vocab=256, positions=256)
+    # Small shapes that run on a 2-core machine in minutes: GPT-2 small, and a DeepSpeed-MoE GPT of 8 layers of 512
+    # with 8 experts in every other layer (the layout planner's check against measurements, docs/planner.md).
+    p["gpt2-124m"] = _gpt2_like(50257, 768, 12, 12, 1024)
+    p["moe-small-8"] = _ds_moe(512, 8, 8, _every_other(8, 8), vocab=8192, positions=256)
     return p
 
 
@@ -129,6 +133,8 @@ SOURCES: dict[str, tuple[str, float | None]] = {
     "tiny-moe": ("tests and demos", None),
     "tiny-prmoe": ("tests and demos", None),
     "tiny-moe-256": ("the bench's MoE latency suite at prompt 128 + 100 generated", None),
+    "gpt2-124m": ("GPT-2 small; the planner check", None),
+    "moe-small-8": ("a small DeepSpeed-MoE GPT; the planner check", None),
 }
 
 

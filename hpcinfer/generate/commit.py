@@ -14,8 +14,8 @@ from .resume import JsonlLog, Sidecar, config_values, file_digest, file_identity
 
 # keys that change where results go or how the job runs, never which results it produces
 NOT_IN_FINGERPRINT = frozenset({
-    "generate.output", "generate.metrics", "runtime.threads", "runtime.comm_timeout", "runtime.log_level",
-    "runtime.progress", "runtime.cuda_graphs", "offload.disk_dir", "offload.profile"})
+    "generate.output", "generate.metrics", "generate.echo", "runtime.threads", "runtime.comm_timeout",
+    "runtime.log_level", "runtime.progress", "runtime.cuda_graphs", "offload.disk_dir", "offload.profile"})
 
 
 def generation_fingerprint(config) -> dict:

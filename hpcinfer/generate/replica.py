@@ -34,8 +34,8 @@ def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None
     _, dp_index, _ = mesh.coords
     capacity = [min(len(job.prompts[i].tokens) + g.max_new_tokens, model.arch.max_positions) for i in todo]
     mine = [todo[k] for k in balanced_shares(capacity, mesh.shape.dp)[dp_index]]
-    cache = _continuous_cache(model, config, mesh, max(1, min(running, len(mine))),
-                         max((capacity[todo.index(i)] for i in mine), default=1))
+    cache = continuous_cache(model, config.schedule, max(1, min(running, len(mine))),
+                             max((capacity[todo.index(i)] for i in mine), default=1), mesh)
     per_round = g.batch_size if lockstep is not None else mesh.shape.dp * g.batch_size
     points = max(1, -(-len(todo) // per_round))                                # the static schedule's rounds
     commits = CommitPoints(mine, points, _announced(end_round, link), lockstep)
@@ -57,20 +57,21 @@ def continuous_share(runner: Runner, job, mesh, times: StepTimes, end_round=None
     return commits.results + served
 
 
-def _continuous_cache(model, config, mesh, running: int, longest: int):
-    """This rank's KV store for the continuous schedule: a pool of `[schedule] kv_cache_memory` over the bytes of a
-    block of its layers, or `running` sequences (batch_size, or fewer when the share has fewer prompts) at their
-    longest; with pp > 1 every stage takes the smallest stage's block count (the first stage's block tables index
-    every stage's pool). Backends that read a dense cache fastest (Ops.continuous_kv = "slots": NumPy) keep the
-    pool as accounting and the rows in `running` dense slots of `longest` positions (generate/slot_cache.py)."""
-    sch = config.schedule
-    per_block = block_bytes(model.num_local_layers, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim,
+def continuous_cache(model, schedule, running: int, longest: int, mesh=None):
+    """This rank's KV store for the continuous schedule: a pool of `[schedule] kv_cache_memory` (`schedule`, the
+    config's ScheduleSection) over the bytes of a block of its layers, or `running` sequences (batch_size, or fewer
+    when the share has fewer prompts) at their longest; with pp > 1 every stage takes the smallest stage's block
+    count (the first stage's block tables index every stage's pool). Backends that read a dense cache fastest
+    (Ops.continuous_kv = "slots": NumPy) keep the pool as accounting and the rows in `running` dense slots of
+    `longest` positions (generate/slot_cache.py). mesh None: one process (api.generate)."""
+    per_block = block_bytes(model.num_local_layers, model.kv_heads_local, schedule.kv_block_size, model.arch.head_dim,
                             model.kv_format)
-    nbytes = sch.kv_memory_bytes(lambda: free_bytes(model.ops, mesh.ranks_per_node))
-    blocks = max(1, pool_blocks(nbytes, per_block, running, longest, sch.kv_block_size))
-    if mesh.shape.pp > 1:
+    nbytes = schedule.kv_memory_bytes(lambda: free_bytes(model.ops, mesh.ranks_per_node if mesh else 1))
+    blocks = max(1, pool_blocks(nbytes, per_block, running, longest, schedule.kv_block_size))
+    if mesh is not None and mesh.shape.pp > 1:
         blocks = int(mesh.pp.all_gather(np.array([blocks], dtype=np.int64)).min())
-    shape = (model.ops, model.num_local_layers, blocks, model.kv_heads_local, sch.kv_block_size, model.arch.head_dim)
+    shape = (model.ops, model.num_local_layers, blocks, model.kv_heads_local, schedule.kv_block_size,
+             model.arch.head_dim)
     if getattr(model.ops, "continuous_kv", "blocks") == "slots":
         return SlotKVCache(*shape, running, longest, model.kv_format)
     return PagedKVCache(*shape, model.kv_format)

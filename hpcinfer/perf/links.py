@@ -1,6 +1,6 @@
 """Measure this machine as N MPI ranks see it: per-rank rates under the runtime's thread split, and the links.
 
-Run under mpiexec (hpcinfer/bench/scripts/planner_check.py does): every rank measures at once (offload/profile.measure with the BLAS
+Run under mpiexec (bench/planner_check.py does): every rank measures at once (offload/profile.measure with the BLAS
 threads the runtime would give it: the node's cores divided among its ranks), so the rates (matmul, streaming read,
 decode-shaped matmuls' weight reads: the slowest rank's) are what one rank gets while the others work; then ranks
 0 and 1 play ping-pong: the latency is half the round trip of an 8-byte message, the bandwidth a 16 MiB message's

@@ -1,4 +1,4 @@
-"""bench.scripts.gpu_linear's comparison of SBI tilings and fused norms, on the CPU stand-in of cupy (the times mean
+"""bench.gpu_linear's comparison of SBI tilings and fused norms, on the CPU stand-in of cupy (the times mean
 nothing here; the rows, their keys and the kernels' errors do). The lead's GPU run compares the tilings with
 `--tiling rows,cols` on one machine, in one call."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hpcinfer.backend import cupy_sbi
-from hpcinfer.bench.scripts import gpu_linear
+from bench import gpu_linear
 from hpcinfer.checkpoint.presets import PRESETS
 
 

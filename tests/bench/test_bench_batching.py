@@ -1,4 +1,4 @@
-"""hpcinfer/bench/scripts/batching.py without running it: the kept workload has make_prompts' shape (seeded chat
+"""bench/batching.py without running it: the kept workload has make_prompts' shape (seeded chat
 prompts over the whole length range), and the report's ratios and cells come from the runs it is given."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpcinfer.bench.scripts import batching
+from bench import batching
 
 
 def test_the_kept_workload_has_the_shape_make_prompts_gives():

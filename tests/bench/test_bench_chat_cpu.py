@@ -1,4 +1,4 @@
-"""The chat-workload benchmarks' plumbing (hpcinfer/bench/chat_workload.py, scripts/chat_cpu.py) without the real
+"""The chat-workload benchmarks' plumbing (bench/chat_workload.py, bench/chat_cpu.py) without the real
 model: the kept workload's shape, a real `hpcinfer run` through hpcinfer_run on a tiny preset (alone and at dp = 2,
 continuous and static agreeing), EOS cutting, agreement counts, and the report's rows."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.bench import chat_workload
-from hpcinfer.bench.scripts import chat_cpu
-from hpcinfer.bench.scripts.cpu_ops import weight_matrices
+from bench import chat_workload
+from bench import chat_cpu
+from bench.cpu_ops import weight_matrices
 from hpcinfer.checkpoint.presets import PRESETS, open_preset
 from hpcinfer.comm.group import Groups
 from hpcinfer.metrics import held_weight_bytes
@@ -63,7 +63,7 @@ def test_op_clock_counts_outermost_calls_only():
     """cpu_ops.OpClock: an op called inside another (fused_linear's own linear) is the outer op's time."""
     import time as _time
 
-    from hpcinfer.bench.scripts.cpu_ops import OpClock
+    from bench.cpu_ops import OpClock
 
     class Ops:
         def linear(self, x):

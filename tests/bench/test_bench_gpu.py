@@ -1,4 +1,4 @@
-"""hpcinfer/bench/scripts/gpu.py (`make bench-gpu`) without a GPU: its --quick plumbing end to end on the CPU fake of
+"""bench/gpu.py (`make bench-gpu`) without a GPU: its --quick plumbing end to end on the CPU fake of
 cupy (tests/helpers/emu_cupy/) with the tiny presets, and the parts that can be wrong without a GPU checked by hand:
 the FLOP and byte counts behind TFLOP/s and GB/s, DeepSpeed's capacity, and the CuPy one-hot einsum MoE it times
 against. The times themselves mean nothing here."""
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from hpcinfer.bench.scripts import gpu
+from bench import gpu
 from hpcinfer.checkpoint.presets import PRESETS
 
 TINY = PRESETS["tiny-dense"]      # V = 256, D = 64, 4 layers, 4 heads of 16, F = 256, 128 learned positions, tied

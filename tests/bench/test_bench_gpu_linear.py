@@ -1,5 +1,5 @@
-"""The window's diagnostics without a GPU: bench.scripts.gpu --quantize (a cell per load mode),
-bench.scripts.gpu_linear (the SBI GEMV in a captured graph, checked against float32 x @ W^T) on the CPU stand-in of
+"""The window's diagnostics without a GPU: bench.gpu --quantize (a cell per load mode),
+bench.gpu_linear (the SBI GEMV in a captured graph, checked against float32 x @ W^T) on the CPU stand-in of
 cupy, and gpu/ncu_table.py on an ncu CSV of the shape Nsight Compute writes. The times mean nothing here."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gpu import ncu_table
-from hpcinfer.bench.scripts import gpu, gpu_linear
+from bench import gpu, gpu_linear
 from hpcinfer.checkpoint.presets import PRESETS
 
 

@@ -1,10 +1,10 @@
-"""The GPU paths of hpcinfer/bench/scripts/quant.py and encoder.py (`--backend cupy`) end to end on the CPU stand-in
+"""The GPU paths of bench/quant.py and encoder.py (`--backend cupy`) end to end on the CPU stand-in
 for cupy (tests/helpers/emu_cupy/), in their smallest configurations on tiny models: the result's structure, the
 files written, and that hpcinfer really ran on CupyOps. Speed means nothing here (the kernels run on an emulator);
 the NumPy paths run the same functions as a reference for the structure.
 
-scripts.quant's per-mode measurement (`run_modes`) is fed tiny-dense models quantized at load (SmolLM2's converted
-checkpoints are too slow for the emulator); scripts.encoder's `main` runs whole on a tiny random BERT converted from
+bench.quant's per-mode measurement (`run_modes`) is fed tiny-dense models quantized at load (SmolLM2's converted
+checkpoints are too slow for the emulator); bench.encoder's `main` runs whole on a tiny random BERT converted from
 a Hugging Face folder (its transformers baseline is skipped on cupy when torch has no CUDA, as here)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 
 import kernel_emulator as emulate
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.bench.scripts import encoder as bench_encoder
-from hpcinfer.bench.scripts import quant as bench_quant
-from hpcinfer.bench.scripts.results import write_results
+from bench import encoder as bench_encoder
+from bench import quant as bench_quant
+from bench.results import write_results
 
 EMU_SKIP = emulate.unavailable()
 needs_emulator = pytest.mark.skipif(EMU_SKIP is not None, reason=f"kernel emulator: {EMU_SKIP}")
@@ -26,21 +26,23 @@ PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(4)] for i in range(max(bench_qu
 
 
 def _tiny_quant_models(make_ops, modes: list, dtype: str) -> tuple[dict, dict]:
-    """tiny-dense per weight mode (quantized while loading, as `[model] quantize` does), and the fresh records."""
+    """tiny-dense per mode (quantized while loading, as `[model] quantize` does; its KV format and top-k as
+    bench.quant.load_mode_model sets them), and the fresh records."""
     from hpcinfer.checkpoint.presets import PRESETS, open_preset
     from hpcinfer.comm.group import Groups
     from hpcinfer.model.transformer import Decoder
-    from hpcinfer.quant.storage import configure
+    from hpcinfer.quant.kv import kv_format
+    from hpcinfer.quant.storage import load_quant
 
     load_mode = {"int8": "int8", "int4-g64": "int4"}
     models, records = {}, {}
     for mode in modes:
-        weights = bench_quant.weights_of(mode)
-        if weights not in models:
-            ckpt = open_preset("tiny-dense")
-            configure(ckpt, load_mode.get(weights, "none"), 64)
-            models[weights] = Decoder(make_ops(), Groups(), PRESETS["tiny-dense"], dtype).load(ckpt)
-        records[mode] = bench_quant.new_record(mode, models[weights], None, None)
+        ckpt, arch = open_preset("tiny-dense"), PRESETS["tiny-dense"]
+        kv, topk = bench_quant.attention_of(mode)
+        quant = load_quant(ckpt, load_mode.get(bench_quant.weights_of(mode), "none"), 64)
+        models[mode] = Decoder(make_ops(), Groups(), arch, dtype, kv_format=kv_format(kv, 64, arch.head_dim),
+                               attention_topk=topk).load(ckpt, quantize=quant)
+        records[mode] = bench_quant.new_record(mode, models[mode], None, None)
     return models, records
 
 
@@ -48,7 +50,7 @@ def _quant_result(models, records, modes, cuda_graphs, backend, tmp_path):
     results = bench_quant.run_modes(models, records, modes, PROMPTS, rounds=1, new_tokens=2, cuda_graphs=cuda_graphs)
     settings = {"backend": backend, "rounds": 1, "new_tokens": 2, "prompt": 4,
                 "batches": list(bench_quant.BATCHES), "threads": 1, "cuda_graphs": cuda_graphs}
-    result = bench_quant.build_result(results, models[bench_quant.weights_of(modes[0])].ops, settings,
+    result = bench_quant.build_result(results, models[modes[0]].ops, settings,
                                       "tiny-dense", None, 0.0)
     name = "quant-gpu" if backend == "cupy" else "quant"
     stem = write_results(tmp_path, name, result, bench_quant.markdown(result))
@@ -124,7 +126,7 @@ def _values(obj, seen=None):
             yield from _values(child, seen)
 
 
-# ---- scripts/encoder.py ----------------------------------------------------------------------------------------
+# ---- bench/encoder.py ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):

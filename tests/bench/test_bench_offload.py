@@ -1,4 +1,4 @@
-"""hpcinfer/bench/scripts/offload.py (`make bench-offload`) with --backend cupy, without a GPU: the benchmark's whole
+"""bench/offload.py (`make bench-offload`) with --backend cupy, without a GPU: the benchmark's whole
 path (bandwidth probes, every setup built as `hpcinfer run` builds it, the record) on the CPU stand-in for cupy
 (tests/helpers/emu_cupy/) with the tiny-dense preset written as a checkpoint, next to the same benchmark on the NumPy
 backend. The times mean nothing here; the tokens, the copies and the record do.
@@ -13,7 +13,7 @@ import pytest
 
 import emu_cupy as emu
 import kernel_emulator as emulate
-from hpcinfer.bench.scripts import offload
+from bench import offload
 from hpcinfer.offload import profile_gpu
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.offload.profile import PRESETS as PROFILES
@@ -28,7 +28,7 @@ ARGS = ["--batch", "4", "--gpu-batches", "2", "--prompt-len", "6", "--new-tokens
 
 
 def run_bench(backend: str, checkpoint, out, monkeypatch) -> dict:
-    """scripts.offload.bench on the tiny checkpoint; every run_setup call spied on: its tokens, figures, the
+    """bench.offload.bench on the tiny checkpoint; every run_setup call spied on: its tokens, figures, the
     stand-in's copy counters around it and the device syncs inside it."""
     runs: dict = {}
     real_run, real_sync = offload.run_setup, offload.sync_device

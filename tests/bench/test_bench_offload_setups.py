@@ -1,12 +1,12 @@
-"""hpcinfer/bench/scripts/offload_setups.py's Table 4 ablations of the LP's policy and offload_report.py's ratios
+"""bench/offload_setups.py's Table 4 ablations of the LP's policy and offload_report.py's ratios
 against them (the benchmark's whole path runs in tests/bench/test_bench_offload.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hpcinfer.bench.scripts.offload_report import ratios
-from hpcinfer.bench.scripts.offload_setups import Setup, plan_ablations
+from bench.offload_report import ratios
+from bench.offload_setups import Setup, plan_ablations
 
 PLAN = dict(schedule="zigzag", gpu_batch_size=4, num_gpu_batches=2, weights_gpu=31, weights_cpu=69, cache_gpu=0,
             cache_cpu=100, act_gpu=100, act_cpu=0, cpu_attention=True, prefetch_layers=1)
@@ -58,7 +58,7 @@ def test_token_checks_compare_each_run_with_its_formats_reference():
     """summarize: a run is held to the all-on-device reference of its own weight and KV format; one with other
     tokens is a difference, one whose format has no reference run is 'no_reference' (not silently 'different',
     as `--only policy` reported before the references always ran)."""
-    from hpcinfer.bench.scripts.offload import summarize
+    from bench.offload import summarize
 
     def run(group, tokens, kv="none"):
         return [{"run_s": 1.0, "cpu": None, "group": group, "quantize": "none", "kv_cache": kv, "tokens": tokens,

@@ -1,5 +1,5 @@
-"""hpcinfer/bench/scripts/quant.py's attention modes (int8 KV, top-k sparse attention) on a tiny model, and a smoke
-run of scripts/perplexity.py on SmolLM2 (2 short windows; skipped without models/smollm2.h5)."""
+"""bench/quant.py's attention modes (int8 KV, top-k sparse attention) on a tiny model, and a smoke
+run of bench/perplexity.py on SmolLM2 (2 short windows; skipped without models/smollm2.h5)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from hpcinfer.bench.scripts import perplexity as bench_perplexity
-from hpcinfer.bench.scripts import quant as bench_quant
+from bench import perplexity as bench_perplexity
+from bench import quant as bench_quant
 from hpcinfer.backend.numpy_ops import NumpyOps
 
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(6)] for i in range(max(bench_quant.BATCHES))]
@@ -30,21 +30,26 @@ def test_modes_include_int8_kv_and_top_k():
 
 
 def test_attention_modes_run_and_use_their_cache_and_top_k():
-    """One round of the new modes on tiny-dense: the int8 cache is smaller than the float one, and the top-k
-    modes really ran with top-k set on every layer (measure_round applies the mode's options)."""
+    """One round of the new modes on tiny-dense, each built with the mode's options (as load_mode_model passes
+    them to api.load_model): the int8 cache is smaller than the float one, and the top-k modes really ran with
+    top-k set on every layer."""
     from hpcinfer.checkpoint.presets import PRESETS, open_preset
     from hpcinfer.comm.group import Groups
     from hpcinfer.model.transformer import Decoder
+    from hpcinfer.quant.kv import kv_format
 
-    modes = ["float32", "float32+kv-int8", "float32+topk-0.1"]
-    model = Decoder(NumpyOps(), Groups(), PRESETS["tiny-dense"], "float32").load(open_preset("tiny-dense"))
-    records = {m: bench_quant.new_record(m, model, None, None) for m in modes}
-    seen_topk = {}
+    arch, modes = PRESETS["tiny-dense"], ["float32", "float32+kv-int8", "float32+topk-0.1"]
+    models = {}
     for mode in modes:
-        bench_quant.measure_round(mode, model, records[mode], PROMPTS, 2, False)
-        seen_topk[mode] = {b.attn.topk for b in model.blocks}
+        kv, topk = bench_quant.attention_of(mode)
+        models[mode] = Decoder(NumpyOps(), Groups(), arch, "float32", kv_format=kv_format(kv, 64, arch.head_dim),
+                               attention_topk=topk).load(open_preset("tiny-dense"))
+    records = {m: bench_quant.new_record(m, models[m], None, None) for m in modes}
+    for mode in modes:
+        bench_quant.measure_round(mode, models[mode], records[mode], PROMPTS, 2, False)
     assert records["float32+kv-int8"]["kv_bytes_b16"] < records["float32"]["kv_bytes_b16"]
-    assert seen_topk == {"float32": {0.0}, "float32+kv-int8": {0.0}, "float32+topk-0.1": {0.1}}
+    assert {m: {b.attn.topk for b in models[m].blocks} for m in modes} == \
+        {"float32": {0.0}, "float32+kv-int8": {0.0}, "float32+topk-0.1": {0.1}}
     assert all(len(records[m]["tokens_b16"]) == 16 for m in modes)
 
 

@@ -9,6 +9,7 @@ status 2 and no output file.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,26 @@ def test_run_alone_writes_results_in_input_order(job, reference):
     assert mesh_lines(done.stdout) == ["rank 0 (node 0): stage 0, dp replica 0, tp rank 0"]
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "output.jsonl",   # no temp file left
                                                      "output.jsonl.state.json"]     # (resume state: reliability.md)
+
+
+def answer_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("[p")]
+
+
+def test_the_console_shows_answers_only_with_echo(job, reference, tmp_path):
+    """A batch job's console has the mesh and the summary, not the answers (they are in the output file); with
+    [generate] echo it has every answer too, in input order, as the output file holds them. echo is not part of
+    the resume fingerprint: the finished job run again with it resumes (nothing left to do) and echoes."""
+    done, out = reference
+    assert "tokens generated for 6 prompts" in done.stdout and answer_lines(done.stdout) == []
+    want = [f"[{r['id']}] {' '.join(map(str, r['output_tokens']))!r} ({r['finish_reason']})" for r in records(out)]
+    echoed = job.run(tmp_path / "echo", "generate.echo=true")
+    assert echoed.returncode == 0, echoed.stderr
+    assert answer_lines(echoed.stdout) == want and records(tmp_path / "echo") == records(out)
+    shutil.copytree(out, tmp_path / "again")
+    again = job.run(tmp_path / "again", "generate.echo=true")
+    assert again.returncode == 0, again.stderr
+    assert "6 of them done by an earlier run" in again.stdout and answer_lines(again.stdout) == want
 
 
 LAYOUTS = {

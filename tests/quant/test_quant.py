@@ -341,12 +341,12 @@ def test_stored_checkpoint_shard_that_splits_a_group_is_refused(llama):
             storage.read_quantized(ckpt.file, "layers.0.mlp.down.weight", cols=slice(40, 80))
 
 
-# ---- hpcinfer/bench/scripts/perplexity.py: attribution and search modes ---------------------------------------
+# ---- bench/perplexity.py: attribution and search modes ---------------------------------------
 def test_perplexity_bench_part_modes_and_search_quantize():
     """The bench's W-layers / W-embed / W-search names parse, and its clipping search keeps the int4 format (q in
     0..15, one scale and min per group) with a squared error no larger than min-max's (the (0, 0) clip is one of
     its candidates, refitted by least squares)."""
-    from hpcinfer.bench.scripts import perplexity as bench
+    from bench import perplexity as bench
 
     assert bench.split_weights("int4-g64-layers") == ("int4-g64", "layers")
     assert bench.split_weights("int8-embed") == ("int8", "embed")

@@ -11,5 +11,6 @@ the same run, a results JSON (schema.py), a markdown report and plots (report.py
     report.py       markdown + PNG plots from a results file
 
 The machine description, quiet-machine checks and prompts (../common.py) and the transformers baseline
-(../hf_baseline.py) are shared with the benchmark scripts (../scripts/).
+(../hf_baseline.py) are shared with the benchmark scripts
+(the repository's bench/, outside the package).
 """

@@ -106,7 +106,7 @@ def plan_cells(cfg: BenchConfig, suite: Suite, arch, backend: str = "numpy") -> 
 
 
 def suite_prompts(suite: Suite, arch) -> list[list[int]]:
-    """max(batches) prompts of prompt_len tokens: real text when the checkpoint has a tokenizer (as scripts/cpu.py),
+    """max(batches) prompts of prompt_len tokens: real text when the checkpoint has a tokenizer (as bench/cpu.py),
     else random ids below the vocabulary (fixed seed)."""
     count, length = max(suite.batches), suite.prompt_len
     tokenizer = None

@@ -1,5 +1,5 @@
 """Run a module or a script on the CPU stand-in of cupy (gpu/check.py's rehearsal without a GPU):
-`PYTHONPATH=tests/helpers python -m emu_cupy -m hpcinfer.bench.scripts.gpu ARGS` or `python -m emu_cupy script.py ARGS`."""
+`PYTHONPATH=tests/helpers python -m emu_cupy -m bench.gpu ARGS` or `python -m emu_cupy script.py ARGS`."""
 
 import runpy
 import sys

@@ -1,4 +1,4 @@
-"""Chat workloads and the systems run on them, for the benchmarks of real jobs (scripts/batching.py, issue 21;
+"""Chat workloads and the systems run on them, for the benchmarks of real jobs (bench/batching.py, issue 21;
 scripts/chat_cpu.py, issue 23).
 
 A workload is a kept JSONL file of chat prompts (`make_prompts`: a question and an excerpt of the standard
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.format import open_checkpoint
-from ..generate.prompts import load_prompts
-from ..generate.tokenizer import TextTokenizer
-from .hf_baseline import Transformers
-from .suites.cells import run_job, toml_text
+from hpcinfer.checkpoint.format import open_checkpoint
+from hpcinfer.generate.prompts import load_prompts
+from hpcinfer.generate.tokenizer import TextTokenizer
+from hpcinfer.bench.hf_baseline import Transformers
+from hpcinfer.bench.suites.cells import run_job, toml_text
 
 CHECKPOINT = Path("models/smollm2.h5")
 GGUF = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")          # what the checkpoint was converted from

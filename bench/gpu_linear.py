@@ -1,4 +1,4 @@
-"""python -m hpcinfer.bench.scripts.gpu_linear: the decode GEMV kernels alone against the copy bandwidth and cuBLAS.
+"""python -m bench.gpu_linear: the decode GEMV kernels alone against the copy bandwidth and cuBLAS.
 
 For each projection shape of a preset's layer, each token count T (decode batch), each SBI tiling (`--tiling`,
 backend/cupy_sbi.plan: "rows" the default, "cols" the old one, "rows:WxRxU" a forced block shape) and each fused
@@ -12,7 +12,7 @@ kernel's largest relative error against float32 norm(x) @ W^T. A diagnostic for 
 (where the step's time goes), not a benchmark of record; needs a CUDA GPU (on the CPU stand-in the times mean
 nothing).
 
-    python -m hpcinfer.bench.scripts.gpu_linear --preset gpt2-1.5b --tokens 1,4,16 --tiling rows,cols --out DIR
+    python -m bench.gpu_linear --preset gpt2-1.5b --tokens 1,4,16 --tiling rows,cols --out DIR
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ...arch import tensor_shapes
-from ...backend import cupy_sbi
-from ...backend.cupy_ops import CupyOps
-from ...backend.interface import NormParams
-from ...checkpoint.presets import PRESETS
-from ..common import median
+from hpcinfer.arch import tensor_shapes
+from hpcinfer.backend import cupy_sbi
+from hpcinfer.backend.cupy_ops import CupyOps
+from hpcinfer.backend.interface import NormParams
+from hpcinfer.checkpoint.presets import PRESETS
+from hpcinfer.bench.common import median
 from .gpu import Timer
 
 REPS = 20                 # calls per captured graph
@@ -164,7 +164,7 @@ def table(rows: list[dict], copy: float) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.gpu_linear", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_linear", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2-1.5b", choices=sorted(PRESETS))
     p.add_argument("--tokens", default="1,4,16", help="comma-separated token counts T")
     p.add_argument("--tiling", default="rows",

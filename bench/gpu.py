@@ -12,7 +12,7 @@
   moe      gating + dispatch + combine on the device: CupyOps top_k_gating -> route -> permute -> unpermute
            against the one-hot einsum formulation (GShard / DeepSpeed) in CuPy, at decode and prefill token counts
 
-    python -m hpcinfer.bench.scripts.gpu [--out bench/results] [--only decode,moe] [--quick]
+    python -m bench.gpu [--out bench/results] [--only decode,moe] [--quick]
 
 Writes bench/results/gpu-<YYYY-MM-DD>.json (device, driver and runtime versions, date, commit, every timing,
 medians, ratios, checks; a section not run, or not runnable, holds {"skipped": reason}) and gpu-<date>.md.
@@ -20,7 +20,8 @@ medians, ratios, checks; a section not run, or not runnable, holds {"skipped": r
 Timing: CUDA events around the timed region when cupy has them (`cupy.cuda.get_elapsed_time`); otherwise (the CPU
 stand-in of cupy, tests/helpers/emu_cupy/) time.perf_counter between stream synchronizations, and the JSON says which.
 Decode and prefill are timed as hpcinfer's schedule times them (StepTimes: host wall clock per step, which ends
-when the sampled tokens are on the host, so each step is synchronized).
+when the sampled tokens are on the host, so each step is synchronized), on the path `hpcinfer run` takes by default
+(api.generate: continuous batching over the paged KV pool, every prompt running; prompt steps of up to 512 tokens).
 """
 
 from __future__ import annotations
@@ -38,15 +39,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ...arch import tensor_shapes
-from ...backend.cupy_ops import CupyOps, gpu_available
-from ...checkpoint.presets import PRESETS, PresetSource
-from ...comm.group import Groups
-from ...generate.engine import GenerationParams, ScheduleParams, StepTimes
-from ...generate.schedules.pipeline import generate_batch
-from ...model.transformer import Decoder
-from ...quant.storage import DEFAULT_GROUP, LoadQuant
-from ..common import git_commit, logger, machine_info, median
+from hpcinfer import api
+from hpcinfer.arch import tensor_shapes
+from hpcinfer.backend.cupy_ops import CupyOps, gpu_available
+from hpcinfer.checkpoint.presets import PRESETS, PresetSource
+from hpcinfer.comm.group import Groups
+from hpcinfer.generate.engine import StepTimes
+from hpcinfer.model.transformer import Decoder
+from hpcinfer.quant.storage import DEFAULT_GROUP, LoadQuant
+from hpcinfer.bench.common import git_commit, logger, machine_info, median
 from .results import write_results
 
 F32 = np.float32
@@ -179,9 +180,9 @@ def load_model(name: str, s: Settings, quantize: str = "none"):
 
 
 def generate(model, prompts, new_tokens: int, cuda_graphs: bool = False):
+    """The run's StepTimes on the default path (api.generate: continuous batching, every prompt running)."""
     times = StepTimes()
-    generate_batch(model, prompts, list(range(len(prompts))), GenerationParams(new_tokens, ignore_eos=True), times,
-                   ScheduleParams(1, 1, None, cuda_graphs))
+    api.generate(model, prompts, new_tokens, cuda_graphs=cuda_graphs, times=times)
     return times
 
 
@@ -570,7 +571,7 @@ def report(result: dict) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.gpu", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for gpu-<date>.json and .md")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")

@@ -1,7 +1,7 @@
 """CPU benchmark: hpcinfer (NumPy backend) against Hugging Face transformers on the same SmolLM2 weights, plus the
 machine's memory read bandwidth, all in one run, back to back, in alternating rounds. See docs/bench-scripts.md.
 
-    python -m hpcinfer.bench.scripts.cpu --checkpoint models/smollm2.h5 --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m bench.cpu --checkpoint models/smollm2.h5 --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --out bench/results --repeats 5
 
 Writes bench/results/cpu-<YYYY-MM-DD>.json (machine, versions, every raw timing, medians, ratios) and
@@ -24,15 +24,14 @@ os.environ.setdefault("TQDM_DISABLE", "1")              # transformers' GGUF deq
 
 import numpy as np  # noqa: E402
 
-from ...api import load_model  # noqa: E402
-from ...checkpoint.format import open_checkpoint  # noqa: E402
-from ...generate.engine import GenerationParams, StepTimes  # noqa: E402
-from ...generate.schedules.pipeline import generate_batch  # noqa: E402
-from ...generate.tokenizer import TextTokenizer  # noqa: E402
-from ...metrics import matmul_params, stored_matmul_params  # noqa: E402
-from ..common import (CpuMeter, agreement, busy_warning, git_commit, loadavg, logger,  # noqa: E402
-                      machine_info, make_prompts, median, usable_cores)
-from ..hf_baseline import Transformers  # noqa: E402
+from hpcinfer.api import generate, load_model  # noqa: E402
+from hpcinfer.checkpoint.format import open_checkpoint  # noqa: E402
+from hpcinfer.generate.engine import StepTimes  # noqa: E402
+from hpcinfer.generate.tokenizer import TextTokenizer  # noqa: E402
+from hpcinfer.metrics import matmul_params, stored_matmul_params  # noqa: E402
+from hpcinfer.bench.common import (CpuMeter, agreement, busy_warning, git_commit, loadavg, logger,  # noqa: E402
+                                   machine_info, make_prompts, median, usable_cores)
+from hpcinfer.bench.hf_baseline import Transformers  # noqa: E402
 from .results import write_results  # noqa: E402
 
 SWITCH_PAUSE_S = 0.25      # idle gap before each measured block: lets the other library's spinning threads sleep
@@ -97,11 +96,12 @@ class Hpcinfer:
             raise SystemExit(f"bench.cpu: {checkpoint} holds no tokenizer")
 
     def generate(self, prompts: list, new_tokens: int):
-        """(prefill_s, [decode step s], generated ids per prompt); one packed prefill, then batched decode steps."""
+        """(prefill_s, [decode step s], generated ids per prompt) on the default path (api.generate: continuous
+        batching, every prompt running): the prompt steps (chunks of [schedule] max_batch_tokens, 512 by default),
+        then batched decode steps."""
         times = StepTimes()
-        results = generate_batch(self.model, [list(p) for p in prompts], list(range(len(prompts))),
-                                 GenerationParams(new_tokens, ignore_eos=True), times)
-        return times.prefill_s, list(times.decode_s), [ids for ids, _ in results]
+        tokens = generate(self.model, prompts, new_tokens, times=times)
+        return times.prefill_s, list(times.decode_s), tokens
 
 
 # ---- one round -------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def markdown(result: dict) -> str:
 
 def parse_args(argv=None):
     cores = usable_cores()
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.cpu", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", default="models/smollm2.h5", help="hpcinfer float32 checkpoint")
     p.add_argument("--gguf", default="models/SmolLM2-135M-Instruct.Q4_1.gguf",

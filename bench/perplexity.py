@@ -47,7 +47,7 @@ Modes:
   topk-F           float32 weights and cache, top-k sparse decode attention keeping a fraction F of the cached
                    positions (0.1 is FlexGen's setting; 0.25 and 0.5 show how the loss falls with F)
 
-    python -m hpcinfer.bench.scripts.perplexity [--windows 8] [--window 256] [--modes a,b,...] [--tag b]
+    python -m bench.perplexity [--windows 8] [--window 256] [--modes a,b,...] [--tag b]
                                                 [--out bench/results] [--note "..."]
 
 Writes bench/results/perplexity-<YYYY-MM-DD><tag>.json and .md and prints the table.
@@ -68,14 +68,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ...api import load_model
-from ...backend.interface import StepLayout
-from ...checkpoint.format import open_checkpoint
-from ...generate.kv_cache import KVCache
-from ...generate.tokenizer import TextTokenizer
-from ...quant.formats import QuantizedTensor, dequantize, pack4, quantize, spec
-from ...quant.kv import kv_format
-from ..common import REPO
+from hpcinfer.api import load_model
+from hpcinfer.backend.interface import StepLayout
+from hpcinfer.checkpoint.format import open_checkpoint
+from hpcinfer.generate.kv_cache import KVCache
+from hpcinfer.generate.tokenizer import TextTokenizer
+from hpcinfer.quant.formats import QuantizedTensor, dequantize, pack4, quantize, spec
+
+from . import REPO
 
 H5 = REPO / "models" / "smollm2.h5"
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -212,17 +212,17 @@ def load_mode(mode: str, tmp: str):
     if base not in WEIGHTS or attention not in ATTENTION:
         raise SystemExit(f"bench.perplexity: unknown mode {mode!r}")
     label, kwargs = WEIGHTS[base]
+    kv_label, kv_mode, topk, group = ATTENTION[attention]
+    kv = {"kv_cache": kv_mode or "none", "kv_cache_group": group, "attention_topk": topk}
     extra = {}
     if kwargs is None:
-        model = load_model(str(convert_source(tmp, *CONVERTED[base])))
+        model = load_model(str(convert_source(tmp, *CONVERTED[base])), **kv)
     elif part:
-        model = load_model(str(H5))
+        model = load_model(str(H5), **kv)
         extra = quantize_after_load(model, kwargs["quantize"], kwargs.get("group_size", 64), part)
         label = f"{label.replace(', quantized at load', '')}, {PARTS[part]}, after load"
     else:
-        model = load_model(str(H5), **kwargs)
-    kv_label, kv_mode, topk, group = ATTENTION[attention]
-    model.set_attention(kv_format(kv_mode or "none", group, model.arch.head_dim), topk)
+        model = load_model(str(H5), **kwargs, **kv)
     return model, label, kv_label, attention != "", extra
 
 

@@ -1,15 +1,15 @@
-"""python -m hpcinfer.bench.scripts.cpu_ops: where one step of the NumPy backend goes, op by op (issue 23).
+"""python -m bench.cpu_ops: where one step of the NumPy backend goes, op by op (issue 23).
 
 On SmolLM2 float32 over the continuous schedule's KV store (NumPy's dense slots; --store paged: the paged pool): a
 decode step of `--batch` sequences at a few context lengths, and a prefill of batch x length prompts, each timed
 `--repeats` times after a warm-up (medians).
 Every call of the Ops seam (backend/interface.Ops) the model makes is timed by wrapping the ops object's methods;
 a decode step's projections are reported as weight bytes read per second and its attention as K/V bytes read per
-second, next to the machine's read bandwidth (scripts/cpu.Bandwidth, measured in the same run). Also the same
+second, next to the machine's read bandwidth (bench/cpu.Bandwidth, measured in the same run). Also the same
 prefill in transformers, as the issue's prefill target compares them. Then the projections alone per token count
 (gemm_rows), against the read bandwidth and the BLAS's own GEMM peak.
 
-    python -m hpcinfer.bench.scripts.cpu_ops [--batch 8] [--contexts 128,400,1024] [--prefill 16x128,8x414]
+    python -m bench.cpu_ops [--batch 8] [--contexts 128,400,1024] [--prefill 16x128,8x414]
                                              [--gemm 1,2,4,8,16,32]
 
 Writes bench/results/cpu-ops-<date>.json and .md.
@@ -26,15 +26,15 @@ from collections import defaultdict
 
 import numpy as np
 
-from ...api import load_model
-from ...backend.interface import StepLayout
-from ...generate.paged_cache import PagedKVCache
-from ...generate.slot_cache import SlotKVCache
-from ...metrics import held_weight_bytes, is_sharded_layer, weight_leaves
-from ...quant.kv import kv_bytes_per_token
-from ..chat_workload import CHECKPOINT, GGUF
-from ..common import git_commit, logger, machine_info, median
-from ..hf_baseline import Transformers
+from hpcinfer.api import load_model
+from hpcinfer.backend.interface import StepLayout
+from hpcinfer.generate.paged_cache import PagedKVCache
+from hpcinfer.generate.slot_cache import SlotKVCache
+from hpcinfer.metrics import held_weight_bytes, is_sharded_layer, weight_leaves
+from hpcinfer.quant.kv import kv_bytes_per_token
+from .chat_workload import CHECKPOINT, GGUF
+from hpcinfer.bench.common import git_commit, logger, machine_info, median
+from hpcinfer.bench.hf_baseline import Transformers
 from .cpu import Bandwidth
 from .results import write_results
 
@@ -199,7 +199,7 @@ def report(result: dict) -> str:
              f"{result['machine'].get('cpus_usable')} cores, {result['threads']} BLAS threads; commit "
              f"{result['commit']}. Read bandwidth {result['bandwidth_GBps']:.1f} GB/s (the best of "
              + ", ".join(f"{k} {v:.1f}" for k, v in result.get("bandwidth_kernels_GBps", {}).items())
-             + "; scripts/cpu.Bandwidth).", "",
+             + "; bench/cpu.Bandwidth).", "",
              "| decode | step ms | projections ms (GB/s) | attention ms (GB/s of K/V, share of bandwidth) | other ops ms |",
              "|---|---|---|---|---|"]
     bw = result["bandwidth_GBps"]
@@ -231,7 +231,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.cpu_ops", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cpu_ops", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--contexts", default="128,400,1024")
     p.add_argument("--prefill", default="16x128,8x414")

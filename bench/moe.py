@@ -4,7 +4,7 @@ against the one-hot einsum formulation of GShard / DeepSpeed (tests/helpers/moe_
 schedules, hpcinfer.comm.all_to_all.message_stats), and the measured MoE layer time of each variant at 4 and 8
 ranks (moe_layer.py under the venv's mpiexec). See docs/bench-scripts.md.
 
-    python -m hpcinfer.bench.scripts.moe --out bench/results
+    python -m bench.moe --out bench/results
 
 Writes bench/results/moe-<YYYY-MM-DD>.json (machine, settings, every raw timing, medians, ratios, checks) and
 bench/results/moe-<YYYY-MM-DD>.md (the tables), and prints the tables.
@@ -24,12 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ... import __version__
-from ...backend import moe_ops
-from ...backend.moe_ops import capacity_for
-from ...comm.all_to_all import message_stats
-from ..common import (BUSY_WARN_CPUS, REPO, ChildCpuMeter, CpuMeter, busy_warning, git_commit, loadavg, logger,
-                      machine_info, median, usable_cores, wait_quiet)
+from hpcinfer import __version__
+from hpcinfer.backend import moe_ops
+from hpcinfer.backend.moe_ops import capacity_for
+from hpcinfer.comm.all_to_all import message_stats
+from hpcinfer.bench.common import (BUSY_WARN_CPUS, ChildCpuMeter, CpuMeter, busy_warning, git_commit, loadavg, logger,
+                                   machine_info, median, usable_cores, wait_quiet)
+
+from . import REPO
 from .results import write_results
 
 sys.path.insert(0, str(REPO / "tests" / "helpers"))        # tests/helpers/moe_reference.py: the einsum formulation
@@ -222,7 +224,7 @@ def parse_layout(text: str) -> dict:
 
 
 def run_layer_job(args, lay: dict) -> dict:
-    cmd = [args.mpiexec, "-n", str(lay["ranks"]), args.python, "-m", "hpcinfer.bench.scripts.moe_layer",
+    cmd = [args.mpiexec, "-n", str(lay["ranks"]), args.python, "-m", "bench.moe_layer",
            "--tp", str(lay["tp"]), "--ranks-per-node", str(lay["ranks_per_node"]), "--tokens", str(args.layer_tokens),
            "--hidden", str(args.layer_hidden), "--experts", str(args.layer_experts), "--ffn", str(args.layer_ffn),
            "--top-k", str(args.top_k), "--repeats", str(args.layer_repeats), "--inner", str(args.layer_inner)]
@@ -332,7 +334,7 @@ def markdown(result: dict) -> str:
                   f"Router + top-{s['top_k']} gating (no capacity) + routing + Dispatcher + ExpertStack on random "
                   f"SiLU-gated experts: D = {ls['hidden']}, E = {ls['experts']}, F = {ls['ffn']}, "
                   f"{ls['tokens']} tokens per rank (replicated over its tp group), ep = ranks, expert_tp = 1; one "
-                  f"`mpiexec` job per layout (`python -m hpcinfer.bench.scripts.moe_layer`), every variant in the "
+                  f"`mpiexec` job per layout (`python -m bench.moe_layer`), every variant in the "
                   f"same job, "
                   f"{ls['repeats']} rotated rounds of {ls['inner']} layer calls after a check and a warm-up; a "
                   f"sample is the slowest rank's time from a common barrier; medians (ms). 1 BLAS thread a rank. "
@@ -392,7 +394,7 @@ def markdown(result: dict) -> str:
 
 def parse_args(argv=None):
     cores = usable_cores()
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.moe", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="bench/results", help="folder for moe-<date>.json and .md")
     p.add_argument("--parts", default="a,b", help="a: table vs einsum; b: message counts and MPI layer times")

@@ -1,8 +1,8 @@
 """Encoder benchmark: hpcinfer against Hugging Face transformers on the same all-MiniLM-L6-v2 weights, in one run,
 back to back, in alternating rounds (the method of cpu.py). See docs/bench-scripts.md.
 
-    python -m hpcinfer.bench.scripts.encoder --checkpoint models/minilm.h5 --folder models/all-MiniLM-L6-v2 --repeats 5
-    python -m hpcinfer.bench.scripts.encoder --backend cupy      # on one GPU: writes encoder-gpu-<date>
+    python -m bench.encoder --checkpoint models/minilm.h5 --folder models/all-MiniLM-L6-v2 --repeats 5
+    python -m bench.encoder --backend cupy      # on one GPU: writes encoder-gpu-<date>
 
 Backends: numpy (hpcinfer's NumPy backend against transformers on the CPU, `--threads` each) or cupy (hpcinfer's
 CuPy backend on GPU 0 against transformers eager on `cuda`, and against the same transformers model replayed from
@@ -30,10 +30,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
-from ...embed.api import load_encoder  # noqa: E402
-from ...embed.inputs import EmbedInput  # noqa: E402
-from ...embed.job import embed_batch  # noqa: E402
-from ..common import CpuMeter, git_commit, logger, machine_info, median  # noqa: E402
+from hpcinfer.embed.api import load_encoder  # noqa: E402
+from hpcinfer.embed.inputs import EmbedInput  # noqa: E402
+from hpcinfer.embed.job import embed_batch  # noqa: E402
+from hpcinfer.bench.common import CpuMeter, git_commit, logger, machine_info, median  # noqa: E402
 from .device import device_info, sync_device  # noqa: E402
 from .results import write_results  # noqa: E402
 
@@ -222,7 +222,7 @@ def markdown(result: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.encoder", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.encoder", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
                    help="hpcinfer's backend; cupy: GPU 0, transformers on cuda (eager and CUDA graphs)")

@@ -1,6 +1,6 @@
 """The performance model against measurements on this machine, and the papers' scale claims from the model.
 
-    .venv/bin/python -m hpcinfer.bench.scripts.planner_check --out bench/results    # about 3 minutes, quiet 2-core box
+    .venv/bin/python -m bench.planner_check --out bench/results    # about 3 minutes, quiet 2-core box
 
 1. Measures this machine as 2 MPI ranks see it (hpcinfer.perf.links.measure_ranks under mpiexec -n 2: per-rank
    matmul rate, memory bandwidth and decode-shaped matmuls' weight bandwidth (gemv_bandwidth) with 1 BLAS
@@ -29,16 +29,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ...arch import tensor_shapes
-from ...checkpoint.presets import PRESETS, PresetSource, _ds_moe, _every_other, _gpt2_like, write_token_prompts
-from ...checkpoint.writer import CheckpointWriter
-from ...offload.profile import PRESETS as HW, load_profile
-from ...perf.comm_cost import Links, all_to_all, all_to_all_latency_terms
-from ...perf.layout import Layout, layout_problem
-from ...perf.memory import rank_memory
-from ...perf.planner import plan
-from ...perf.step import Workload, predict
-from ..common import REPO
+from hpcinfer.arch import tensor_shapes
+from hpcinfer.checkpoint.presets import PRESETS, open_preset, write_token_prompts
+from hpcinfer.checkpoint.writer import CheckpointWriter
+from hpcinfer.offload.profile import PRESETS as HW, load_profile
+from hpcinfer.perf.comm_cost import Links, all_to_all, all_to_all_latency_terms
+from hpcinfer.perf.layout import Layout, layout_problem
+from hpcinfer.perf.memory import rank_memory
+from hpcinfer.perf.planner import plan
+from hpcinfer.perf.step import Workload, predict
+
+from . import REPO
 
 WORK = REPO / "out" / "planner-check"
 # name -> (ranks, tp, pp, all-to-all variant: None for the dense model); an MoE layout has ep = dp tp, expert_tp 1
@@ -49,17 +50,18 @@ LAYOUTS = {"1 rank": (1, 1, 1, None), "tp=1 dp=2": (2, 1, 1, None), "tp=2": (2, 
 BATCH, PROMPT, GEN = 4, 32, 16                                   # per replica
 
 
+MODELS = {False: "gpt2-124m", True: "moe-small-8"}            # moe -> preset (docs/presets.md)
+
+
 def _arch(moe: bool = False):
-    if moe:
-        return _ds_moe(512, 8, 8, _every_other(8, 8), vocab=8192, positions=256)
-    return _gpt2_like(50257, 768, 12, 12, 1024, family="gpt2")
+    return PRESETS[MODELS[moe]]
 
 
 def write_checkpoint(path: Path, moe: bool = False) -> None:
     if path.exists():
         return
     arch = _arch(moe)
-    source = PresetSource("planner-check-moe-88m" if moe else "planner-check-124m", arch)
+    source = open_preset(MODELS[moe])
     with CheckpointWriter(str(path), arch, "float32") as w:
         for name in tensor_shapes(arch):
             w.add(name, source.read(name))

@@ -1,9 +1,11 @@
 """Pipeline benchmark: pp=2 with equal micro-batch counts against hybrid counts (DeepSpeed Inference Fig. 3), with
 the pp=1 single-rank baseline and dp=2 for reference, on SmolLM2 (float32) and the same prompts, all in one run,
-in alternating rounds, through the real CLI (`mpiexec -n N python -m hpcinfer run CONFIG --set ...`). See
-docs/bench-scripts.md.
+in alternating rounds, through the real CLI (`mpiexec -n N python -m hpcinfer run CONFIG --set ...`). Its question
+is the static schedule's (DeepSpeed's prompt and token micro-batch counts, which continuous batching does not have:
+its pipeline forms micro-batches from the running set at every step), so every layout runs with
+`[schedule] batching = "static"`, named. See docs/bench-scripts.md.
 
-    python -m hpcinfer.bench.scripts.pipeline --checkpoint models/smollm2.h5 --out bench/results --repeats 3
+    python -m bench.pipeline --checkpoint models/smollm2.h5 --out bench/results --repeats 3
 
 Writes bench/results/pipeline-<YYYY-MM-DD>.json (machine, versions, settings, every run's metrics, medians, ratios,
 checks) and bench/results/pipeline-<YYYY-MM-DD>.md (the table), and prints the table.
@@ -23,11 +25,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ... import __version__
-from ...checkpoint.format import open_checkpoint
-from ...generate.tokenizer import TextTokenizer
-from ..common import (BUSY_WARN_CPUS, REPO, ChildCpuMeter, agreement, busy_warning, git_commit, loadavg, logger,
-                      machine_info, make_prompts, median, wait_quiet)
+from hpcinfer import __version__
+from hpcinfer.checkpoint.format import open_checkpoint
+from hpcinfer.generate.tokenizer import TextTokenizer
+from hpcinfer.bench.common import (BUSY_WARN_CPUS, ChildCpuMeter, agreement, busy_warning, git_commit, loadavg, logger,
+                                   machine_info, make_prompts, median, wait_quiet)
+
+from . import REPO
 from .results import write_results
 
 RUN_TIMEOUT_S = 300        # MPIEXEC_TIMEOUT of one run: a backstop against a hung job
@@ -47,7 +51,7 @@ class Layout:
     batch_size: int            # [generate] batch_size: prompts per batch on each data-parallel replica
 
     def overrides(self) -> list[str]:
-        sets = [f"parallel.pp={self.pp}", f"generate.batch_size={self.batch_size}"]
+        sets = [f"parallel.pp={self.pp}", f"generate.batch_size={self.batch_size}", 'schedule.batching="static"']
         if self.pp > 1:
             sets += [f"schedule.prompt_micro_batches={self.prompt_mb}",
                      f"schedule.gen_micro_batches={self.gen_mb}"]
@@ -229,7 +233,7 @@ def markdown(result: dict) -> str:
 # ---- main ------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.pipeline", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", default="models/smollm2.h5", help="hpcinfer float32 checkpoint")
     p.add_argument("--out", default="bench/results", help="folder for pipeline-<date>.json and .md")
@@ -373,7 +377,7 @@ def main(argv=None) -> int:
                                 f"--set generate.batch_size=...",
                      "prompts": f"{args.batch} consecutive {args.prompt_len}-token slices of pydoc_data/topics.py, "
                                 f"tokenized by the checkpoint's tokenizer without special tokens "
-                                f"(hpcinfer.bench.scripts.cpu)",
+                                f"(bench.cpu)",
                      "threads": "runtime.threads = 0: usable cores / ranks on the node (BLAS threads per rank)"},
         "model": {"checkpoint": args.checkpoint, "family": arch.family, "layers": arch.num_layers,
                   "parameters": arch.param_count()},

@@ -2,7 +2,7 @@
 Dispatcher with an ExpertStack of random SiLU-gated experts) under every all-to-all variant on this mesh, checked
 against each other and against the single-rank path, then timed in alternating rounds. Rank 0 prints one JSON line.
 
-    .venv/bin/mpiexec -n 4 .venv/bin/python -m hpcinfer.bench.scripts.moe_layer --tp 2 --ranks-per-node 2
+    .venv/bin/mpiexec -n 4 .venv/bin/python -m bench.moe_layer --tp 2 --ranks-per-node 2
 
 Each rank runs 1 BLAS thread. Nodes are simulated: `--ranks-per-node` says how many consecutive world ranks share
 a node, which decides the two levels of the hierarchical exchanges (hpcinfer.comm.mesh.Mesh.node_size_in).
@@ -21,13 +21,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ...backend.moe_ops import capacity_for
-from ...backend.numpy_ops import NumpyOps
-from ...comm.all_to_all import FlatAllToAll, HierarchicalAllToAll
-from ...comm.group import Groups, MPIGroup, MoELayout
-from ...comm.mesh import build_mesh
-from ...parallel.experts import ExpertStack
-from ...parallel.moe_dispatch import Dispatcher
+from hpcinfer.backend.moe_ops import capacity_for
+from hpcinfer.backend.numpy_ops import NumpyOps
+from hpcinfer.comm.all_to_all import FlatAllToAll, HierarchicalAllToAll
+from hpcinfer.comm.group import Groups, MPIGroup, MoELayout
+from hpcinfer.comm.mesh import build_mesh
+from hpcinfer.parallel.experts import ExpertStack
+from hpcinfer.parallel.moe_dispatch import Dispatcher
 
 VARIANTS = ("flat", "hierarchical", "pcc", "pcc+hierarchical")
 LOCAL = "local"                # every expert on every rank, no exchange: the single-rank path, for reference
@@ -184,7 +184,7 @@ class Layer:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.moe_layer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.moe_layer", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ranks-per-node", type=int, default=2, help="simulated node size in world ranks")
     p.add_argument("--expert-tp", type=int, default=1, help="expert-slicing degree (ep = world / expert_tp)")

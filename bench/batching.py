@@ -1,4 +1,4 @@
-"""python -m hpcinfer.bench.scripts.batching: continuous against static batching on a realistic job (issue 21).
+"""python -m bench.batching: continuous against static batching on a realistic job (issue 21).
 
 The workload (written once and kept: inputs/batching-chat.jsonl, `--make-prompts`): chat questions about excerpts
 of the standard library's pydoc_data/topics.py, the excerpt lengths drawn log-uniformly so that the prompts span
@@ -10,7 +10,7 @@ batch_size) on the same token ids. Reported: generated tokens/s of each, continu
 time between tokens, preemptions, the replicas' imbalance at dp = 2, whether the continuous and static files are
 identical, and the machine. Writes bench/results/batching-<date>.json and .md.
 
-    python -m hpcinfer.bench.scripts.batching [--prompts N] [--max-new 256] [--batch 16] [--dp 1,2] [--no-hf]
+    python -m bench.batching [--prompts N] [--max-new 256] [--batch 16] [--dp 1,2] [--no-hf]
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..chat_workload import CHECKPOINT, GGUF, QUESTIONS, hpcinfer_run, prompt_ids, run_transformers
-from ..chat_workload import make_prompts as make_chat_prompts
-from ..common import git_commit, logger, machine_info
+from .chat_workload import CHECKPOINT, GGUF, QUESTIONS, hpcinfer_run, prompt_ids, run_transformers
+from .chat_workload import make_prompts as make_chat_prompts
+from hpcinfer.bench.common import git_commit, logger, machine_info
 from .results import write_results
 
 PROMPTS = Path("inputs/batching-chat.jsonl")
@@ -76,7 +76,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.batching", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.batching", description=__doc__.split("\n\n")[0])
     p.add_argument("--make-prompts", action="store_true", help=f"(re)write {PROMPTS} and stop")
     p.add_argument("--prompts", type=int, default=None, help="use the first N prompts (default: all)")
     p.add_argument("--max-new", type=int, default=256)

