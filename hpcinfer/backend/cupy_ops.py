@@ -96,6 +96,7 @@ class CupyOps:
         self.k = _elementwise_kernels(cupy)
         self.kernels = kernels               # launch the cuda_src/ kernels (False: plain CuPy only)
         self._sm_count = None
+        self._link_copies = None             # link_copies()
         self.library_calls = 0               # cuBLAS calls made (matmul): a CUDA graph cannot capture them
         # CPU delegation's attention (cupy_attention.host_attention) on the rank's BLAS threads and CPU kernels
         self.host_ops = NumpyOps(host_threads, host_kernels)
@@ -110,6 +111,13 @@ class CupyOps:
         """Pinned host buffers and a copy stream with events (backend/cupy_transfer.py); build it on the compute
         thread."""
         return StreamCopies(self)
+
+    def link_copies(self):
+        """The copy engine of CPU delegation's queries and outputs (cupy_attention.host_attention): one per ops,
+        built on first use (on the compute thread), its pinned staging buffers reused step after step."""
+        if self._link_copies is None:
+            self._link_copies = StreamCopies(self)
+        return self._link_copies
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
