@@ -175,6 +175,13 @@ class CupyOps:
             y += bias
         return y
 
+    def expert_linear(self, x, w, bias=None):
+        """linear, for an expert's routed rows (parallel/experts.ExpertStack: a few rows per expert at decode, 2 GEMMs
+        per expert per MoE layer): the one place where the expert GEMMs pick their kernel. Today linear's
+        (sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS, else cuBLAS); issue 29's small-batch tensor-core GEMM
+        switches in here, and the MoE scenario (gpu/scenarios.py moe) times the experts through it."""
+        return self.linear(x, w, bias)
+
     def fused_linear(self, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
         """act(norm(x) @ w.T + bias) (+ residual), the Deep-Fusion regions 1, 3 and 4 (NumpyOps.fused_linear).
         Kernel: fused_norm_gemv.cu / sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS; else the ops in sequence."""
