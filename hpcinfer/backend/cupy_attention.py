@@ -111,7 +111,10 @@ def host_attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: floa
     """FlexGen's CPU delegation (`[offload] cpu_attention`): attention over a KV cache in host memory runs on the
     host (NumpyOps, the cache appended and read in place); only the step's q, k, v [T, heads, hd] go down and the
     context [T, H*hd] comes back up, never the cache."""
-    copies = ops.link_copies()                  # through pooled pinned buffers: no pageable copy on this path
+    # Through pooled pinned buffers: no pageable copy on this path. The host waits for q, k, v, so every kernel
+    # issued before (the last call's reads of its uploaded output included) has run when the next output's upload
+    # may reuse that memory: the link's uploads need no reuse_after event of their own.
+    copies = ops.link_copies()
     with copies.fetched([q, k, v]) as host:
         host_q, host_k, host_v = (_as_f32(a) for a in host)
         out = ops.host_ops.attention(host_q, host_k, host_v, cache_k, cache_v, step, scale, topk)
