@@ -22,6 +22,11 @@ failure or the device tool's kill loses nothing:
   memcheck  memcheck.xml (junit) and its ERROR SUMMARY in summary.json: compute-sanitizer memcheck over the
             kernels' op cases, with CuPy's pool off (HPCINFER_SANITIZE=1: every array its own allocation)
   smollm2   smollm2.xml (junit): the real SmolLM2 against NumPy, when a converted checkpoint was carried
+  flexgen   issue 32's paper scenarios (gpu/scenarios.py), each a child under its own budget (scenarios.BUDGET_S,
+  zero      under 3 minutes each, cut to the time left): FlexGen on OPT-30B's shapes under a 16 GB budget,
+  moe       ZeRO-Inference streaming at batch 1..64, DeepSpeed-MoE decode (Mixtral-8x7B's shapes,
+            ds-moe-1.3b-128); their results go into summary.json under the step (no file of their own: the
+            device tool brings back 8), their tables into report.md and log.txt
 
 `python -m gpu.check --report DIR` writes DIR/report.md (each step's outcome, the junit counts, the decode
 headline) from the files that came back; the run prints the same table last. Besides those, summary.json (each step: rc, seconds, timed out, its file, a note; rewritten after every step) and
@@ -50,7 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 CARRY = REPO / ".carry" / "gpu-check"          # made by `make gpu-carry` (gpu/carry.py)
 MPI_DIR = Path(tempfile.gettempdir()) / "hpcinfer-mpich"
 SITE_DIR = Path(tempfile.gettempdir()) / "hpcinfer-site"
-STEPS = ("mpi", "env", "ops", "e2e", "decode", "memcheck", "smollm2")
+STEPS = ("mpi", "env", "ops", "e2e", "decode", "memcheck", "smollm2", "flexgen", "zero", "moe")
+SCENARIOS = ("flexgen", "zero", "moe")        # issue 32's paper scenarios (gpu/scenarios.py): results in summary.json
 # What comes back (the device tool returns 8 files at most): each step's result file, the summary and the log.
 FILES = {"env": "env.json", "ops": "ops.xml", "e2e": "e2e.xml", "decode": "decode.json", "memcheck": "memcheck.xml",
          "smollm2": "smollm2.xml"}
@@ -288,6 +294,34 @@ def step_smollm2(check: Check) -> dict:
     return {"rc": rc, "file": FILES["smollm2"]}
 
 
+def step_scenario(check: Check, name: str) -> dict:
+    """A paper scenario (gpu/scenarios.py) under its own budget (BUDGET_S, cut to the time left): its child
+    rewrites its results file after every case, and what is there when the step ends (a timeout included) goes
+    into summary.json under the step ("results"), so the device tool's 8 files are not one more."""
+    from gpu.scenarios import BUDGET_S
+
+    work = Path(tempfile.mkdtemp(prefix=f"scenario-{name}-"))
+    budget = min(BUDGET_S[name], max(1.0, check.left() - 5))
+    args = ["-m", "gpu.scenarios", name, "--out", str(work / f"{name}.json"), "--budget", f"{budget:.0f}"]
+    args += ["--kernels", "off"] if check.fake else []          # the rehearsal: tiny shapes, no emulated kernels
+    rc, _, timed_out = check.run(name, check.python(*args), budget + 20)
+    path = work / f"{name}.json"
+    results = json.loads(path.read_text()) if path.exists() else None
+    return {"rc": rc, "results": results, "note": "timed out: the cases that ended are kept" if timed_out else ""}
+
+
+def step_flexgen(check: Check) -> dict:
+    return step_scenario(check, "flexgen")
+
+
+def step_zero(check: Check) -> dict:
+    return step_scenario(check, "zero")
+
+
+def step_moe(check: Check) -> dict:
+    return step_scenario(check, "moe")
+
+
 # ---- the report ------------------------------------------------------------------------------------------------
 
 def junit_counts(path: Path) -> str:
@@ -325,6 +359,14 @@ def decode_lines(path: Path) -> list[str]:
     return lines
 
 
+def scenario_tables(summary: dict) -> list[str]:
+    """The paper scenarios' markdown tables (gpu/scenarios.markdown) from their results in summary.json."""
+    from gpu.scenarios import markdown
+
+    found = [(summary.get("steps") or {}).get(name, {}).get("results") for name in SCENARIOS]
+    return [line for data in found if data for line in ["", markdown(data)]]
+
+
 def report(out: Path) -> str:
     """A short markdown report of a gpu-check folder (summary.json, the junit files, decode.json)."""
     s = json.loads((out / "summary.json").read_text())
@@ -338,10 +380,15 @@ def report(out: Path) -> str:
         what = r.get("skipped") or r.get("note") or ""
         if str(r.get("file", "")).endswith(".xml"):
             what = f"{junit_counts(out / r['file'])} {what}".strip()
+        if r.get("results"):
+            res = r["results"]
+            errors = sum("error" in c for c in res.get("cases", {}).values())
+            what = (f"{len(res.get('cases', {}))} cases ({errors} failed), {len(res.get('skipped', {}))} skipped "
+                    f"{what}").strip()
         if r.get("error_summary"):
             what += f" {r['error_summary']}"
         lines.append(f"| {name} | {r.get('rc')} | {r.get('seconds')} | {what} |")
-    lines += ["", *(f"- {line}" for line in decode_lines(out / "decode.json")),
+    lines += ["", *(f"- {line}" for line in decode_lines(out / "decode.json")), *scenario_tables(s),
               "", f"{s.get('failed_steps')} step(s) failed in {s.get('elapsed_s')} s.", ""]
     return "\n".join(lines)
 

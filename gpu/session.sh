@@ -20,6 +20,8 @@
 #   encoder   python -m bench.encoder --backend cupy (needs MiniLM: stash + models first)
 #   offload   python -m bench.offload --backend cupy (needs models/smollm2.h5)
 #   profile   hpcinfer profile --backend cupy: the planner's profile of this machine ($OUT/profile-gpu.toml)
+#   scenarios issue 32's paper scenarios, one after the other, each under its own budget: python -m gpu.scenarios
+#             flexgen|zero|moe ($OUT/<name>.json, rewritten after every case; gpu/check.py chains the same steps)
 #
 # Each step runs under `timeout $STEP_TIMEOUT` (default 540 s); everything goes to $OUT/session.log, one line per
 # step ("step rc seconds") to $OUT/summary.txt, and the benchmarks write their JSON and markdown to $OUT. A step
@@ -111,10 +113,18 @@ step_profile() {
     python3 -m hpcinfer profile --backend cupy --disk-dir /tmp --out "$OUT/profile-gpu.toml"
 }
 
+step_scenarios() {
+    local rc=0 name
+    for name in flexgen zero moe; do
+        python3 -m gpu.scenarios "$name" --out "$OUT/$name.json" || rc=1
+    done
+    return $rc
+}
+
 run_step() {
     local name=$1 start rc
     if ! declare -F "step_$name" >/dev/null; then
-        echo "unknown step '$name' (steps: setup stash models ops mpi suite sanitize bench quant encoder offload profile)"
+        echo "unknown step '$name' (steps: setup stash models ops mpi suite sanitize bench quant encoder offload profile scenarios)"
         echo "$name unknown 0" >> "$OUT/summary.txt"
         return
     fi
@@ -126,7 +136,7 @@ run_step() {
     echo "$name $rc $(( $(date +%s) - start ))" | tee -a "$OUT/summary.txt"
 }
 
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,29p' "$0"; exit 2; }
 for name in "$@"; do
     run_step "$name"
 done >> "$OUT/session.log" 2>&1

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import cupy_kv
 from .cupy_decode import DECODE, launch_decode
+from .cupy_dtypes import BF16_BITS
 from .cupy_graphs import DeviceStep
 from .interface import StepLayout
 from .kv_attention import SplitRows, split_attention
@@ -110,9 +111,21 @@ def host_attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: floa
     """FlexGen's CPU delegation (`[offload] cpu_attention`): attention over a KV cache in host memory runs on the
     host (NumpyOps, the cache appended and read in place); only the step's q, k, v [T, heads, hd] go down and the
     context [T, H*hd] comes back up, never the cache."""
-    host_q, host_k, host_v = (ops.to_host(a).astype(F32, copy=False) for a in (q, k, v))
-    out = ops.host_ops.attention(host_q, host_k, host_v, cache_k, cache_v, step, scale, topk)
-    return ops.asarray(out)
+    # Through pooled pinned buffers: no pageable copy on this path. The host waits for q, k, v, so every kernel
+    # issued before (the last call's reads of its uploaded output included) has run when the next output's upload
+    # may reuse that memory: the link's uploads need no reuse_after event of their own.
+    copies = ops.link_copies()
+    with copies.fetched([q, k, v]) as host:
+        host_q, host_k, host_v = (_as_f32(a) for a in host)
+        out = ops.host_ops.attention(host_q, host_k, host_v, cache_k, cache_v, step, scale, topk)
+    return copies.upload([out], pinned=False).arrays()[0]
+
+
+def _as_f32(host):
+    """A downloaded activation as float32 (bfloat16 travels as its uint16 bits: the upper half of a float32)."""
+    if host.dtype == BF16_BITS:
+        return (host.astype(np.uint32) << 16).view(F32)
+    return host.astype(F32, copy=False)
 
 
 def check_cache(cache_k, cache_v):

@@ -96,6 +96,7 @@ class CupyOps:
         self.k = _elementwise_kernels(cupy)
         self.kernels = kernels               # launch the cuda_src/ kernels (False: plain CuPy only)
         self._sm_count = None
+        self._link_copies = None             # link_copies()
         self.library_calls = 0               # cuBLAS calls made (matmul): a CUDA graph cannot capture them
         # CPU delegation's attention (cupy_attention.host_attention) on the rank's BLAS threads and CPU kernels
         self.host_ops = NumpyOps(host_threads, host_kernels)
@@ -110,6 +111,13 @@ class CupyOps:
         """Pinned host buffers and a copy stream with events (backend/cupy_transfer.py); build it on the compute
         thread."""
         return StreamCopies(self)
+
+    def link_copies(self):
+        """The copy engine of CPU delegation's queries and outputs (cupy_attention.host_attention): one per ops,
+        built on first use (on the compute thread), its pinned staging buffers reused step after step."""
+        if self._link_copies is None:
+            self._link_copies = StreamCopies(self)
+        return self._link_copies
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
@@ -166,6 +174,13 @@ class CupyOps:
         if bias is not None:
             y += bias
         return y
+
+    def expert_linear(self, x, w, bias=None):
+        """linear, for an expert's routed rows (parallel/experts.ExpertStack: a few rows per expert at decode, 2 GEMMs
+        per expert per MoE layer): the one place where the expert GEMMs pick their kernel. Today linear's
+        (sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS, else cuBLAS); issue 29's small-batch tensor-core GEMM
+        switches in here, and the MoE scenario (gpu/scenarios.py moe) times the experts through it."""
+        return self.linear(x, w, bias)
 
     def fused_linear(self, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
         """act(norm(x) @ w.T + bias) (+ residual), the Deep-Fusion regions 1, 3 and 4 (NumpyOps.fused_linear).

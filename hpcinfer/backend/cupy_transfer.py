@@ -1,29 +1,40 @@
 """The CuPy backend's copy engine (the interface is backend/transfer.py): pinned host buffers, one non-blocking
-copy stream per engine, CUDA events between it and the compute stream.
+copy stream per direction (host -> device `h2d`, device -> host `d2h`), CUDA events between them and the compute
+stream, and a pool of pinned staging buffers (backend/pinned_pool.py) for sources that are not pinned.
 
-    upload    (any thread)  [copy stream] wait(reuse_after) -> allocate -> memcpyAsync H2D -> record(done)
+    upload    (any thread)  [h2d] wait(reuse_after) -> allocate -> memcpyAsync H2D -> record(done)
               (compute)     Upload.arrays(): [compute stream] wait(done)      the host does not block
     freeing   (compute)     [compute stream] record(reuse_after), then the uploaded arrays are dropped
-    upload_into (compute)   [compute stream] record(ready) ; [copy stream] wait(ready) -> memcpyAsync H2D -> record(done)
-    download  (compute)     [compute stream] record(ready) ; [copy stream] wait(ready) -> memcpyAsync D2H -> record(done)
+    upload_into (compute)   [compute stream] record(ready) ; [h2d] wait(ready) -> memcpyAsync H2D -> record(done)
+    download  (compute)     [compute stream] record(ready) ; [d2h] wait(ready) -> memcpyAsync D2H -> record(done)
                             Download.wait(): the host blocks on done; Download.fence(): [compute stream] wait(done),
                             before kernels that overwrite the downloaded array
+    fetched   (compute)     download into a pooled pinned buffer, wait; the host reads it inside the `with`
 
 Why the events are where they are:
 - The compute stream waits on `done` before the kernels that read an upload: the copy overlaps the compute issued
   before (the previous layer), never the compute that needs it.
-- CuPy's memory pool keeps a free list per stream, and the uploads allocate on the copy stream: memory freed when
-  a layer's weights are dropped goes back to the copy stream's list, and the next upload may get it while the
+- One stream per direction: a layer's weights and the next batch's KV going up overlap the previous batch's KV
+  and activations going down (PCIe is full duplex), and neither waits behind the other in one queue. The two
+  directions are ordered only through the compute stream: an upload from a host buffer that a download wrote
+  must come after that download's wait() (the host) or fence() (the compute stream, which upload_into's `ready`
+  follows); the offload schedules wait() before they load what they stored (generate/host_kv.py,
+  offload/activations.py), and the cupy stand-in refuses an upload whose host bytes change before it ran.
+- CuPy's memory pool keeps a free list per stream, and the uploads allocate on the h2d stream: memory freed when
+  a layer's weights are dropped goes back to that stream's list, and the next upload may get it while the
   compute stream's kernels still read the old layer. So every upload first waits on `reuse_after`, recorded on the
   compute stream when the last arrays were dropped (after the work that read them was issued); the lock makes
   "wait, then allocate" and "record, then drop" atomic with respect to each other.
-- A pinned source must not change before its copy has run: the host tier's buffers never change, and the staging
-  buffers of non-pinned sources (disk tier: a memory map read into a fresh pinned buffer) are kept until their
-  `done` event completes.
+- A pinned source must not change before its copy has run: the host tier's buffers never change, and a source
+  that is not pinned (disk tier: a memory map) is first copied into a staging buffer of the pool, which takes it
+  back with the copy's `done` event and hands it out again only once that event is done.
+- No copy on the hot path reads or writes pageable memory: CUDA would stage it synchronously (the host blocks and
+  nothing overlaps). tests/helpers/emu_cupy/pageable.py logs every such copy, and tests/offload/
+  test_no_pageable_copies.py holds the offload decode loops to none.
 - A window of an array (a KV cache's positions [N, H, lo:hi, X]) is not contiguous: it moves as one pitched 2D
   copy (cudaMemcpy2DAsync: a row per (sequence, head), the pitch of each side's own layout), not row by row.
-- The copy stream is non-blocking: the legacy default stream (where the compute runs unless a stream is made
-  current) does not serialize with it, which a blocking stream would, and overlap would be lost.
+- The copy streams are non-blocking: the legacy default stream (where the compute runs unless a stream is made
+  current) does not serialize with them, which a blocking stream would, and overlap would be lost.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import threading
 import numpy as np
 
 from .cupy_dtypes import BF16_BITS, is_bf16
+from .pinned_pool import PinnedPool, packed_offsets
 
 HOST_TO_DEVICE, DEVICE_TO_HOST = 1, 2      # cudaMemcpyKind
 
@@ -89,8 +101,8 @@ class Download:
 
 
 class StreamCopies:
-    """Pinned buffers and a copy stream for one rank's GPU. Build it on the compute thread: the stream current
-    there is the compute stream the uploads are ordered against."""
+    """Pinned buffers and a copy stream per direction for one rank's GPU. Build it on the compute thread: the
+    stream current there is the compute stream the copies are ordered against."""
 
     def __init__(self, ops):
         self.cp = cp = ops.xp
@@ -98,10 +110,11 @@ class StreamCopies:
 
         self._empty_pinned = cupyx.empty_pinned
         self.compute = cp.cuda.get_current_stream()
-        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.h2d = cp.cuda.Stream(non_blocking=True)
+        self.d2h = cp.cuda.Stream(non_blocking=True)
+        self.pool = PinnedPool(cupyx.empty_pinned)   # staging for sources that are not pinned
         self.lock = threading.Lock()
         self.reuse_after = None           # event on the compute stream: work issued before the last drop
-        self.staged: list = []            # [(done event, pinned staging buffers)] of copies maybe still running
 
     def host_buffer(self, shape, dtype) -> np.ndarray:
         """A pinned host array (bfloat16: pinned uint16 viewed as bfloat16)."""
@@ -117,47 +130,62 @@ class StreamCopies:
 
     def upload(self, host_arrays: list, pinned: bool = True) -> Upload:
         """Start copying `host_arrays` into new device arrays. pinned=False: the sources are not pinned (e.g.
-        memory maps of the disk tier): each is read into a pinned staging buffer first, kept until the copy ran."""
-        sources = list(host_arrays) if pinned else [self.host_copy(a) for a in host_arrays]
+        memory maps of the disk tier): they are read into a pooled pinned staging buffer first."""
+        buffer, sources = (None, list(host_arrays)) if pinned else self.pool.staged(host_arrays)
         with self.lock:
             if self.reuse_after is not None:
-                self.stream.wait_event(self.reuse_after)
-            with self.stream:
+                self.h2d.wait_event(self.reuse_after)
+            with self.h2d:
                 arrays = [self.cp.empty(a.shape, dtype=_bits(a).dtype) for a in sources]
                 for device, host in zip(arrays, sources):
-                    device.set(_bits(np.ascontiguousarray(host)), stream=self.stream)
-                done = self.stream.record()
-        self._keep(done, sources if not pinned else [])
+                    device.set(_bits(_contiguous(host)), stream=self.h2d)
+                done = self.h2d.record()
+        if buffer is not None:
+            self.pool.give(buffer, done)
         return Upload(arrays, done, self.compute)
 
     def upload_into(self, device_array, host_array: np.ndarray, pinned: bool = True) -> Upload:
-        """Start copying `host_array` into the existing contiguous `device_array`, after the compute issued so far
-        (which may still read what it holds). pinned=False: read into a pinned staging buffer first, as upload."""
-        source = host_array if pinned else self.host_copy(host_array)
-        self.stream.wait_event(self.compute.record())
+        """Start copying `host_array` into the existing `device_array` (contiguous, or a window), after the
+        compute issued so far (which may still read what it holds). pinned=False: staged as in upload."""
+        buffer, (source,) = (None, (host_array,)) if pinned else self.pool.staged([host_array])
+        self.h2d.wait_event(self.compute.record())
         if device_array.flags.c_contiguous and source.flags.c_contiguous:
-            device_array.set(_bits(source), stream=self.stream)
+            device_array.set(_bits(source), stream=self.h2d)
         else:                                          # a window: one pitched copy
             self._copy_2d(device_array.data.ptr, device_array, source.ctypes.data, source, HOST_TO_DEVICE)
-        done = self.stream.record()
-        self._keep(done, [] if pinned else [source])
+        done = self.h2d.record()
+        if buffer is not None:
+            self.pool.give(buffer, done)
         return Upload([device_array], done, self.compute)
 
     def download(self, device_array, out: np.ndarray) -> Download:
         """Start copying `device_array` into the pinned host array `out`, after the compute issued so far."""
-        self.stream.wait_event(self.compute.record())
+        self.d2h.wait_event(self.compute.record())
         if device_array.flags.c_contiguous and out.flags.c_contiguous:
-            device_array.get(stream=self.stream, out=_bits(out), blocking=False)
+            device_array.get(stream=self.d2h, out=_bits(out), blocking=False)
         else:                                          # a window: one pitched copy
             self._copy_2d(out.ctypes.data, out, device_array.data.ptr, device_array, DEVICE_TO_HOST)
-        return Download(out, self.stream.record(), device_array, self.compute)
+        return Download(out, self.d2h.record(), device_array, self.compute)
+
+    @contextlib.contextmanager
+    def fetched(self, device_arrays: list):
+        """The values of `device_arrays` (after the compute issued so far) in pinned host views of one pooled
+        buffer, for the body of the `with` (the host blocks until they are there); the buffer goes back after."""
+        offsets, total = packed_offsets([a.nbytes for a in device_arrays])
+        buffer = self.pool.take(total)
+        outs = [buffer[at:at + a.nbytes].view(a.dtype).reshape(a.shape) for a, at in zip(device_arrays, offsets)]
+        downloads = [self.download(_contiguous_device(a), out) for a, out in zip(device_arrays, outs)]
+        try:
+            yield [d.wait() for d in downloads]
+        finally:
+            self.pool.give(buffer)
 
     def _copy_2d(self, dst_ptr: int, dst, src_ptr: int, src, kind: int) -> None:
         (width, rows, dst_pitch), (src_width, src_rows, src_pitch) = pitched(dst), pitched(src)
         if (width, rows) != (src_width, src_rows) or dst.shape != src.shape:
             raise ValueError(f"copy between shapes {src.shape} and {dst.shape}")
-        self.cp.cuda.runtime.memcpy2DAsync(dst_ptr, dst_pitch, src_ptr, src_pitch, width, rows, kind,
-                                           self.stream.ptr)
+        stream = self.h2d if kind == HOST_TO_DEVICE else self.d2h
+        self.cp.cuda.runtime.memcpy2DAsync(dst_ptr, dst_pitch, src_ptr, src_pitch, width, rows, kind, stream.ptr)
 
     @contextlib.contextmanager
     def freeing(self):
@@ -166,12 +194,19 @@ class StreamCopies:
             self.reuse_after = self.compute.record()
             yield
 
-    def _keep(self, done, buffers: list) -> None:
-        with self.lock:
-            self.staged = [(e, b) for e, b in self.staged if not e.done]
-            if buffers:
-                self.staged.append((done, buffers))
-
     def close(self) -> None:
-        self.stream.synchronize()
-        self.staged.clear()
+        self.h2d.synchronize()
+        self.d2h.synchronize()
+
+
+def _contiguous(host: np.ndarray) -> np.ndarray:
+    """A pinned source as it is: a copy of a non-contiguous one would be pageable (use a window's upload_into)."""
+    if not host.flags.c_contiguous:
+        raise ValueError(f"upload: a host array of shape {host.shape} and strides {host.strides} is not "
+                         "contiguous (its copy would be pageable): stage it (pinned=False) or use upload_into")
+    return host
+
+
+def _contiguous_device(device_array):
+    """fetched() reads whole arrays: a non-contiguous one is made contiguous on the compute stream first."""
+    return device_array if device_array.flags.c_contiguous else device_array.copy()

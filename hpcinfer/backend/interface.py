@@ -104,6 +104,7 @@ class Ops(Protocol):
     def zeros(self, shape, dtype=np.float32): ...
     def copy_engine(self): ...                              # host <-> device copies (backend/transfer.py)
     def linear(self, x, w, bias=None): ...                 # x [T, in], w [out, in] -> [T, out]
+    def expert_linear(self, x, w, bias=None): ...          # linear, for one expert's few routed rows
     def fused_linear(self, x, w, bias=None, norm: NormParams | None = None, act: str | None = None,
                      gated: bool = False, residual=None): ...   # act(norm(x) @ w.T + bias) + residual
     def embedding(self, table, ids): ...

@@ -67,6 +67,10 @@ class NumpyOps:
             y += bias
         return y
 
+    def expert_linear(self, x, w, bias=None):
+        """linear, for an expert's routed rows (parallel/experts.ExpertStack): the same here."""
+        return self.linear(x, w, bias)
+
     def fused_linear(self, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
         """act(norm(x) @ w.T + bias) (+ residual): the Deep-Fusion regions as one call (backend/ops.py NormParams;
         gated: act(gate) * up of a [T, 2F] gate/up product, as gated_activation). Here the unfused sequence of the

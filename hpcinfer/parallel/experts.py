@@ -63,6 +63,6 @@ class ExpertStack:
 
     def _ffn(self, e: int, x):                          # x [m, D] -> [m, D]
         bias = self.up_bias[e] if self.up_bias is not None else None
-        h = self.ops.linear(x, self.up[e], bias)                                        # [m, 2Fs | Fs]
+        h = self.ops.expert_linear(x, self.up[e], bias)                                 # [m, 2Fs | Fs]
         h = self.ops.gated_activation(h, self.activation) if self.gated else self.ops.activation(h, self.activation)
-        return self.ops.linear(h, self.down[e], self.down_bias[e] if self.down_bias is not None else None)
+        return self.ops.expert_linear(h, self.down[e], self.down_bias[e] if self.down_bias is not None else None)

@@ -63,7 +63,10 @@ What it checks, as a GPU would refuse it:
   make a view. A device -> host copy reads the device memory when it runs, so device work issued meanwhile on
   another stream without a wait shows in `out` (the race a late copy has on a GPU). Copies with pageable host
   memory run at once (CUDA stages them synchronously) and count in `_state.pageable_async_copies`; queued copies
-  that ran count in `_state.async_copies` and `_state.async_copy_bytes`. Copies without a stream (or on the null
+  that ran count in `_state.async_copies` and `_state.async_copy_bytes`. Every host <-> device copy whose host
+  memory is not pinned, synchronous ones included (`cupy.asarray(host)`, `.get()`, `.set()`, `int()` of a device
+  array, host index arrays), is logged in `_state.pageable_copies` (pageable.py: direction, bytes, call, dtype
+  kind; `pageable.watch()` gives those of a block), as CUDA stages each of them synchronously. Copies without a stream (or on the null
   stream) are synchronous, as before. Async copies inside a capture raise, as other transfers.
 - NCCL is absent (`cupy.cuda.nccl.available` is False), as on a machine without the library.
 
@@ -91,6 +94,7 @@ Where it is (tests/helpers/emu_cupy/, one module per part of the fake):
                   pinned arrays
     kernels.py    RawModule, RawKernel, ElementwiseKernel on the CPU emulator, the guarded launch
     devices.py    Device, Stream (its copy queue and flushes), Graph, Event, memory pools, cupy.cuda.runtime
+    pageable.py   the log of host <-> device copies with pageable host memory (PageableCopy, watch())
     __init__.py   the assembly: build() the fake modules, install() / installed() them, the pytest plugin hooks
 """
 

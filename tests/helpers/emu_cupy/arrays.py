@@ -11,7 +11,7 @@ import numpy as np
 from numpy.lib.array_utils import byte_bounds
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from . import state
+from . import pageable, state
 from .devices import Device
 from .state import POISON_BYTE, StreamOrderError, raise_pending
 
@@ -152,6 +152,7 @@ class ndarray(NDArrayOperatorsMixin):
         if not blocking and not target.is_null:
             return _copy_to_host_async(self, target, out, order)
         self._ordered_read("ndarray.get()", target)
+        pageable.download_of(self, out, "ndarray.get()")
         if out is not None:
             _check_out(self, out)[...] = self._a
             return out
@@ -172,11 +173,13 @@ class ndarray(NDArrayOperatorsMixin):
             return _copy_from_host_async(self, arr, stream)
         state._state.order_before(state._state.current())
         state._state.check_pending([self._a], "ndarray.set()")
+        pageable.upload(arr, "ndarray.set()")
         self._a[...] = arr
 
     def _read_to_host(self, what):
         state._state.host_sync(f"{what} (device -> host copy)")
         self._ordered_read(what)
+        pageable.download_of(self, None, what)
 
     def _ordered_read(self, what, stream=None):
         """A synchronous device -> host read: after the queued copies it is ordered after, never of memory that a
@@ -231,6 +234,7 @@ class ndarray(NDArrayOperatorsMixin):
     def __getitem__(self, key):
         if _has_host_data(key):
             state._state.host_sync("a host index array (host -> device copy)")
+            pageable.upload_parts(key, "a host index array")
         if any(isinstance(k, ndarray) and k.dtype == np.bool_ for k in (key if isinstance(key, tuple) else (key,))):
             state._state.host_sync("boolean mask indexing (the selected count goes to the host)")
         return _op(operator.getitem, (self, key), strict=False, what="__getitem__")
@@ -238,6 +242,7 @@ class ndarray(NDArrayOperatorsMixin):
     def __setitem__(self, key, value):
         if _has_host_data(key) or _has_host_data(value):
             state._state.host_sync("a host index or value array (host -> device copy)")
+            pageable.upload_parts((key, value), "a host index or value array")
         _op(operator.setitem, (self, key, value), strict=False, what="__setitem__")
 
     def __len__(self):
@@ -333,6 +338,7 @@ def _ran_pageable(device: np.ndarray, host: np.ndarray, stream, what: str, dst, 
     st.check_pending([device], what, allow=stream)
     if st.is_pinned(host):
         return False
+    pageable.note(host, host.nbytes, pageable.DEVICE_TO_HOST if dst is host else pageable.HOST_TO_DEVICE, what)
     st.pageable_async_copies += 1
     st.order_before(stream)
     dst[...] = src
@@ -345,6 +351,7 @@ def _copy_to_host_async(src: ndarray, stream, out, order):
     if out is None:
         state._state.check_pending([src._a], "ndarray.get(stream=..., blocking=False)", allow=stream)
         state._state.pageable_async_copies += 1
+        pageable.download_of(src, None, "ndarray.get(stream=..., blocking=False)")
         state._state.order_before(stream)
         return np.array(src._a, copy=True, order=order)
     return download_async(src._a, _check_out(src, out), stream, "ndarray.get(stream=..., blocking=False)")

@@ -8,7 +8,7 @@ import types
 
 import numpy as np
 
-from . import state
+from . import pageable, state
 from .arrays import _empty, _has_host_data, _op, ndarray
 
 
@@ -18,6 +18,7 @@ def asarray(a, dtype=None, order=None, *, blocking=False):
             return a
         return a.astype(dtype)
     state._state.host_sync("cupy.asarray of host data (host -> device copy)")
+    pageable.upload(a, "cupy.asarray")
     return ndarray._of(np.array(a, dtype=dtype, order=order or "K", copy=True))
 
 
@@ -25,6 +26,7 @@ def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocki
     if isinstance(obj, ndarray):
         return _op(lambda a: np.array(a, dtype=dtype, copy=copy, order=order, ndmin=ndmin), (obj,), what="array")
     state._state.host_sync("cupy.array of host data (host -> device copy)")
+    pageable.upload(obj, "cupy.array")
     return ndarray._of(np.array(obj, dtype=dtype, copy=True, order=order, ndmin=ndmin))
 
 
@@ -91,6 +93,7 @@ def _module_getattr(name):
 def _scatter_add(a, slices, value):
     if _has_host_data(slices):
         state._state.host_sync("cupyx.scatter_add with a host index array (host -> device copy)")
+        pageable.upload_parts(slices, "cupyx.scatter_add's host index array")
     _op(np.add.at, (a, slices, value), strict=False, what="cupyx.scatter_add")
 
 

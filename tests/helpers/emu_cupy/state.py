@@ -57,6 +57,7 @@ class _State:
         self.async_copies = 0           # async copies between device and pinned host memory that have run
         self.async_copy_bytes = 0       # their bytes
         self.pageable_async_copies = 0  # set(stream=...) / get(stream=..., blocking=False) with pageable host memory
+        self.pageable_copies: list = []  # every host <-> device copy with pageable host memory (pageable.py)
 
     # --- the current stream (per host thread)
     @property
