@@ -8,7 +8,8 @@ code; a DeviceStep (cupy_graphs.py) is read from its device buffers only, so the
 graph. One block per (KV head, sequence) leaves most SMs idle in a small batch (25 blocks on an H200's 132 for
 gpt2-1.5b at batch 1: 27 us for 2 MB of K/V), so there `launch_decode` splits each context into C chunks
 (flash-decoding, decode_attention_core.cuh): a block per chunk writes its partial softmax to a float32 workspace
-and a second small kernel merges them in chunk order (deterministic). C (decode_splits) depends only on the batch
+and the last block of each (sequence, KV head) merges them in chunk order, in the same launch (deterministic: the
+order of the sums never depends on which block finishes last). C (decode_splits) depends only on the batch
 size, the KV heads, the positions read (a graph key's KV bucket) and the device, so a captured grid stays valid at
 every replay; the kernels cut each sequence's own length, read on the device, into the C chunks.
 Prefill: kv_append.cu + prefill_attention.cu over packed sequences, or CuPy array code per sequence.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import cupy_kv
-from .cupy_decode import DECODE, launch_decode
+from .cupy_decode import decode_defines, decode_fits, launch_decode, rope_args
 from .cupy_graphs import DeviceStep
 from .interface import StepLayout
 from .kv_attention import SplitRows, split_attention
@@ -57,13 +58,14 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     kernel_shapes = (q.dtype == k.dtype == v.dtype == F32 and heads % kv_heads == 0 and hd <= 128)
     if step.is_decode:
         slots, starts, L = decode_indices(ops, step, cache_k.shape[2])
-        single = ops._kernel("decode_attention", "decode_attention", **DECODE)
-        if single is not None and kernel_shapes and heads // kv_heads <= DECODE["MAX_GROUP"]:
-            split = ops._kernel("decode_attention", "decode_attention_split", **DECODE)
+        fn = (ops._kernel("decode_attention", "decode_attention", **decode_defines(heads, kv_heads, hd))
+              if q.dtype == k.dtype == v.dtype == F32 and decode_fits(heads, kv_heads, hd) else None)
+        if fn is not None:
             (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
-            return launch_decode(ops, single, split, (q.shape[0], heads, kv_heads, hd), L, lambda out, ldo: (
-                q, k, v, cache_k, cache_v, slots, starts, out, _i32(heads), _i32(kv_heads), _i32(hd),
-                _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk), _i64(ldv), *ldo, _f32c(scale)))
+            return launch_decode(ops, fn, (q.shape[0], heads, kv_heads, hd), L, lambda out, part, done, ldo: (
+                q, k, v, cache_k, cache_v, slots, starts, *rope_args(ops, None), out, part, done, _i32(heads),
+                _i32(kv_heads), _i32(hd), _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk), _i64(ldv), ldo,
+                _f32c(scale)))
         ops.k.kv_append(cp.ascontiguousarray(k, dtype=F32), cp.ascontiguousarray(v, dtype=F32), slots, starts,
                         cache_k.shape[1], cache_k.shape[2], cache_k.shape[3], cache_k, cache_v, size=k.size)
         return _decode_attention(ops, q, cache_k, cache_v, slots, starts, L, step, scale)

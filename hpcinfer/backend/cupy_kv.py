@@ -6,7 +6,7 @@ are stored quantized; top-k keeps ceil(topk * length) positions per query head, 
 when a decode step asks for top-k. Kernels (cuda_src/, KV_BITS = 4 | 8):
 - decode: decode_attention_quant.cu reads the quantized cache and dequantizes in registers, the new rows fused in
   (quantized into the cache by the same launch); no float copy of the cache. Small batches split each context
-  across blocks (flash-decoding) as the float cache does: launch_decode chooses and launches.
+  across blocks and combine them in the same launch, as the float cache does: launch_decode chooses and launches.
 - prefill: kv_quant.cu's kv_dequantize_rows writes only the rows the step reads (each sequence's positions before its
   new tokens) into a float scratch cache [S, Hkv, Lp, hd]; the float path (kv_append + prefill_attention) attends
   over it; kv_quantize_append then stores the new rows quantized.
@@ -28,7 +28,7 @@ import numpy as np
 
 from ..quant.formats import QuantError
 from ..quant.kv import KVFormat, QuantizedKV
-from .cupy_decode import DECODE, launch_decode
+from .cupy_decode import decode_defines, decode_fits, launch_decode, rope_args
 from .interface import StepLayout
 from .kv_attention import keep_counts
 
@@ -93,14 +93,15 @@ def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
     kv_heads, lmax = cache_k.shape[1], cache_k.shape[2]
     slots, starts, L = ops._decode_indices(step, lmax)
     fmt = cache_k.fmt
-    bounds = DECODE                          # the float decode kernels' defines (one block shape)
-    single = _kernel(ops, "decode_attention_quant", "decode_attention_quant", fmt, **bounds)
-    if single is not None and heads // kv_heads <= bounds["MAX_GROUP"] and hd <= bounds["MAX_HEAD_DIM"]:
-        split = _kernel(ops, "decode_attention_quant", "decode_attention_quant_split", fmt, **bounds)
+    fits = decode_fits(heads, kv_heads, hd)
+    fn = _kernel(ops, "decode_attention_quant", "decode_attention_quant", fmt,
+                 **decode_defines(heads, kv_heads, hd)) if fits else None
+    if fn is not None:
         (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
-        return launch_decode(ops, single, split, (S, heads, kv_heads, hd), L, lambda out, ldo: (
-            q, k, v, *cache_k.parts(), *cache_v.parts(), slots, starts, out, _i32(heads), _i32(kv_heads), _i32(hd),
-            _i32(fmt.group), _i32(lmax), _i64(ldq), _i64(ldk), _i64(ldv), *ldo, _f32c(scale), _status(ops)))
+        return launch_decode(ops, fn, (S, heads, kv_heads, hd), L, lambda out, part, done, ldo: (
+            q, k, v, *cache_k.parts(), *cache_v.parts(), slots, starts, *rope_args(ops, None), out, part, done,
+            _i32(heads), _i32(kv_heads), _i32(hd), _i32(fmt.group), _i32(lmax), _i64(ldq), _i64(ldk), _i64(ldv),
+            ldo, _f32c(scale), _status(ops)))
     keys = _read_prefix(ops, cache_k, slots, L)                                       # [S, Hkv, L, hd]
     values = _read_prefix(ops, cache_v, slots, L)
     at = cp.arange(S)

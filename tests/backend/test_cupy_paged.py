@@ -132,16 +132,13 @@ def test_a_device_step_decodes_from_its_buffers_split_by_its_bucket(emu_cupy, mo
     ops._sm_count = 0 if chunks is None else 132
     device = None if kv_len is None and chunks == 3 else (lambda cp, step: stale_device_step(cp, step, kv_len))
     check_against_numpy(emu_cupy, ops, kind, 4, 4, 2, 16, device=device)
-    if chunks is None:
-        assert [f for f, _ in grids] == ["paged_decode_attention"]
-    else:
-        assert [(f, grid[2]) for f, grid in grids if f == "paged_decode_attention_split"] == [
-            ("paged_decode_attention_split", chunks)]
+    want = 1 if chunks is None else chunks
+    assert [(f, tuple(grid)[2]) for f, grid in grids] == [("paged_decode_attention", want)]   # one launch
 
 
 @pytest.mark.parametrize("sms, kind, want", [
     (0, "decode", ["paged_decode_attention"]),                               # unknown device: one pass
-    (132, "long-decode", ["paged_decode_attention_split", "decode_attention_combine"]),   # 48 positions: 3 chunks
+    (132, "long-decode", ["paged_decode_attention"]),     # 48 positions: 3 chunks, combined in the same launch
 ], ids=["one-pass", "flash-decoding"])
 def test_decode_runs_the_paged_kernels_alone(emu_cupy, monkeypatch, sms, kind, want):
     from hpcinfer.backend.cupy_ops import CupyOps
