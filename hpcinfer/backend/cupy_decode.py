@@ -84,6 +84,13 @@ def rope_args(ops, rope) -> tuple:
     return (cp.ascontiguousarray(cos, dtype=F32), cp.ascontiguousarray(sin, dtype=F32), _i32(rotary_dim))
 
 
+def rotated(ops, q, k, rope):
+    """(q, k) rotated by ops.rotary when rope = (cos, sin, rotary_dim) is given (the paths that do not fuse it)."""
+    if rope is None:
+        return q, k
+    return ops.rotary(q, *rope), ops.rotary(k, *rope)
+
+
 def launch_decode(ops, kernel, shape: tuple, positions: int, args):
     """Run a decode attention kernel (decode_attention, paged_decode_attention, decode_attention_quant) -> out
     [S, H*hd] float32. shape = (S, H, Hkv, hd); `positions`: the positions read (the longest sequence, or a graph's

@@ -39,6 +39,10 @@ class EmuOps(EmulatedKernelOps):
     _decode_indices = CupyOps._decode_indices
     _check_cache = staticmethod(CupyOps._check_cache)
 
+    @staticmethod
+    def _f32(a):
+        return a.astype(F32, copy=False)
+
     def _grid(self, work: int, block: int) -> int:
         return max(1, min(-(-work // block), 3))          # few blocks: the grid-stride loops wrap
 
