@@ -28,7 +28,9 @@ def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", 
     int4 ("same") (docs/quantization.md)."""
     with open_checkpoint(path) as ckpt:
         quant = load_quant(ckpt, quantize, group_size, embedding)
-        return Decoder(make_ops(backend), groups or Groups(), ckpt.arch, dtype).load(ckpt, quantize=quant)
+        kv_dtype = dtype if dtype in ("float16", "bfloat16") else "float32"     # [model] kv_dtype = "auto"
+        return Decoder(make_ops(backend, kv_dtype=kv_dtype), groups or Groups(), ckpt.arch, dtype).load(
+            ckpt, quantize=quant)
 
 
 def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:

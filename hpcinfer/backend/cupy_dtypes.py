@@ -11,6 +11,8 @@ BF16_BITS = np.dtype(np.uint16)          # device dtype of bfloat16 storage
 
 
 def is_bf16(dtype) -> bool:
+    if isinstance(dtype, str):                           # "bfloat16" needs no ml_dtypes import
+        return dtype == "bfloat16"
     return dtype is not None and np.dtype(dtype).name == "bfloat16"
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..kernels.loader import kernel
 from . import cupy_attention, cupy_moe, cupy_paged, cupy_quant, cupy_sbi, moe_ops
-from .cupy_dtypes import BF16_BITS, c_type as _c_type, is_bf16
+from .cupy_dtypes import BF16_BITS, KV_DTYPES, c_type as _c_type, is_bf16
 from .cupy_transfer import StreamCopies
 from .interface import StepLayout, unfused_linear
 from .numpy_ops import NumpyOps
@@ -73,7 +73,8 @@ class CupyOps:
 
     name = "cupy"
 
-    def __init__(self, device: int | None = None, kernels: bool = True, host_threads: int | None = None):
+    def __init__(self, device: int | None = None, kernels: bool = True, host_threads: int | None = None,
+                 kv_dtype: str = "float32"):
         cupy = _import_cupy()
         if cupy is None:
             raise ConfigError("[runtime] backend = \"cupy\" needs cupy: pip install -e '.[gpu]' (cupy-cuda12x, or "
@@ -82,6 +83,9 @@ class CupyOps:
             raise ConfigError("[runtime] backend = \"cupy\" needs a CUDA GPU, and cupy sees none here "
                               "(cupy.is_available() is False: no GPU, no driver, or CUDA_VISIBLE_DEVICES is empty); "
                               "use backend = \"numpy\" or \"auto\"")
+        if kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"CupyOps: kv_dtype = {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        self.kv_dtype = kv_dtype             # a float KV cache's storage (the stores allocate with ops.zeros)
         self.xp = cupy
         self.device_id = None
         if device is not None:

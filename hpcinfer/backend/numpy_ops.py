@@ -183,6 +183,8 @@ class NumpyOps:
         return out
 
     # ---- attention over the KV cache -----------------------------------------------------------------------
+    kv_dtype = "float32"                                     # a float KV cache's storage: float32 on the CPU
+
     def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0,
                   rope=None):
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
