@@ -16,6 +16,8 @@
 #   sanitize  compute-sanitizer memcheck and racecheck over the op tests
 #   bench     python -m hpcinfer.bench.scripts.gpu (copy bandwidth, decode, graphs, prefill, MoE gating,
 #             transformers eager)
+#   attention python -m bench.gpu_attention: decode attention alone (dense and paged, float16 and float32 KV,
+#             batch 1 and 16, context 128 / 1024 / 4096) against the copy bandwidth (issue 29; 2 files)
 #   quant     python -m hpcinfer.bench.scripts.quant --backend cupy (needs the GGUF: stash + models first)
 #   encoder   python -m hpcinfer.bench.scripts.encoder --backend cupy (needs MiniLM: stash + models first)
 #   offload   python -m hpcinfer.bench.scripts.offload --backend cupy (needs models/smollm2.h5)
@@ -94,6 +96,8 @@ step_sanitize() {
 }
 
 step_bench() { python3 -m hpcinfer.bench.scripts.gpu --out "$OUT" --commit "$COMMIT"; }
+
+step_attention() { python3 -m bench.gpu_attention --out "$OUT"; }
 
 step_quant() { python3 -m hpcinfer.bench.scripts.quant --backend cupy --gguf "$GGUF" --out "$OUT"; }
 
