@@ -62,3 +62,33 @@ __device__ __forceinline__ bool kv_quantize_group(const A* x, int group, unsigne
     *mg = low_h;
     return scale - scale == 0.0f && low - low == 0.0f;                 // both finite (inf - inf, NaN: NaN)
 }
+
+// Elements d0 .. d0 + N - 1 of a quantized row (d0 a multiple of N, N * KV_BITS / 8 bytes one aligned load where
+// that is 2, 4 or 8 bytes) -> out[N], each as kv_dequant gives it: decode attention's vector reads.
+template <int N>
+__device__ __forceinline__ void kv_dequant_vec(const unsigned char* qrow, const __half* srow, const __half* mrow,
+                                               int d0, int group, float (&out)[N]) {
+    constexpr int bytes = N * KV_BITS / 8;
+    alignas(8) unsigned char raw[bytes > 0 ? bytes : 1];
+    const unsigned char* src = qrow + d0 * KV_BITS / 8;
+    if constexpr (bytes == 8) {
+        *reinterpret_cast<uint2*>(raw) = *reinterpret_cast<const uint2*>(src);
+    } else if constexpr (bytes == 4) {
+        *reinterpret_cast<unsigned*>(raw) = *reinterpret_cast<const unsigned*>(src);
+    } else if constexpr (bytes == 2) {
+        *reinterpret_cast<unsigned short*>(raw) = *reinterpret_cast<const unsigned short*>(src);
+    } else {
+#pragma unroll
+        for (int b = 0; b < bytes; ++b) raw[b] = src[b];
+    }
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+#if KV_BITS == 4
+        const unsigned v = (e & 1) ? (raw[e >> 1] >> 4) : (raw[e >> 1] & 0x0Fu);
+#else
+        const unsigned v = raw[e];
+#endif
+        const int gi = (d0 + e) / group;
+        out[e] = __fmul_rn((float)v, __half2float(srow[gi])) + __half2float(mrow[gi]);
+    }
+}

@@ -13,32 +13,27 @@
 // appends inside paged_decode_attention.)
 //
 // kernel paged_decode_attention(const act_t* q, const act_t* k, const act_t* v, storage_t* pool_k,
-//                               storage_t* pool_v, const int* tables, const int* lengths, act_t* out, int H,
+//                               storage_t* pool_v, const int* tables, const int* lengths, const float* cos,
+//                               const float* sin, int rotary_dim, act_t* out, float* part, int* counters, int H,
 //                               int Hkv, int hd, int bs, int B, long long ldq, long long ldk, long long ldv,
 //                               long long ldo, float scale)
 //   q       [S, H, hd], k, v [S, Hkv, hd]: one token per sequence, rows ldq / ldk / ldv apart, heads hd apart
 //   tables  [S, B] int32, -1 past a sequence's blocks; lengths [S] int32: sequence s writes its new row at
 //           position lengths[s] - 1 and attends positions 0 .. lengths[s] - 1 (1 <= lengths[s] <= B * bs)
-//   out     [S, H * hd] rows ldo apart
-// Launch: grid (Hkv, S), block (32, NWARPS); no dynamic shared memory. Block (kvh, s) appends the new row of KV
-// head kvh (no other block reads it), then attends the g = H / Hkv query heads kvh * g + h (GQA: the group shares
-// every K and V row it loads), softmax(q k^T * scale) v with an online softmax in float32: the dense decode
-// kernel's attention (decode_attention_core.cuh: decode_attend, its work split and warp merge) with a reader that
-// finds position j through the table. Only positions below the length are read: no table entry past it (maybe
-// -1), no row of the last block past it (another sequence's stale rows).
+//   cos, sin, rotary_dim, out, part, counters: as decode_attention.cu (rotary fused into the q load and the append;
+//           the split over the context and its combine in this one launch)
+// Launch: grid (Hkv, S, C), block (32, NWARPS); no dynamic shared memory. Block (kvh, s, c) takes chunk c of the
+// sequence's own length (decode_chunk); the last chunk appends the new row of KV head kvh (no other block reads
+// it), then each block attends the g = H / Hkv query heads kvh * g + h (GQA: the group shares every K and V row it
+// loads): the dense decode kernel's attention (decode_attention_core.cuh: 16-byte vectors, several positions a
+// warp, the last block of a (sequence, KV head) combines the chunks) with a reader that finds position j through
+// the table. Only positions below the length are read: no table entry past it (maybe -1), no row of the last block
+// past it (another sequence's stale rows). The pools must be 16-byte aligned.
 //
-// kernel paged_decode_attention_split(q, k, v, pool_k, pool_v, tables, lengths, float* part, int H, int Hkv,
-//                                     int hd, int bs, int B, long long ldq, long long ldk, long long ldv,
-//                                     float scale)
-//   flash-decoding for a small batch, as decode_attention_split: part [S, H, C, 2 + hd] float32 in place of out.
-// Launch: grid (Hkv, S, C), block (32, NWARPS); block (kvh, s, c) takes chunk c of the sequence's own length
-// (decode_chunk); the last chunk appends the row. Then decode_attention.cu's decode_attention_combine merges the
-// chunks into out (the workspace's layout is the dense kernels').
-//
-// Preconditions (checked by the wrapper; the attention kernels write nothing otherwise): H % Hkv == 0,
-// H / Hkv <= MAX_GROUP, hd <= MAX_HEAD_DIM.
-// Defines: T_STORAGE (pools), T_ACT (q, k, v, out), BLOCK (append, default 128), NWARPS (default 4), MAX_HEAD_DIM
-// (multiple of 32, default 128), MAX_GROUP (default 8): the decode core's.
+// Preconditions (checked by the wrapper; the attention kernel writes nothing otherwise): H == GROUP * Hkv,
+// hd == HEAD_DIM, 0 <= rotary_dim <= hd even.
+// Defines: T_STORAGE (pools), T_ACT (q, k, v, out), BLOCK (append, default 128), HEAD_DIM, GROUP, NWARPS (default
+// 4): the decode core's.
 #include "decode_attention_core.cuh"
 
 #ifndef BLOCK
@@ -58,54 +53,37 @@ paged_kv_append(const act_t* k, const act_t* v, storage_t* pool_k, storage_t* po
     }
 }
 
-// Block (kvh, s) of either decode kernel: chunk c of C of sequence s. The pools are not const / __restrict__: the
-// row appended here is read back after decode_attend's __syncthreads, which the read-only cache would not promise.
-template <class Emit>
-__device__ void paged_decode_block(const act_t* q, const act_t* k, const act_t* v, storage_t* pool_k,
-                                   storage_t* pool_v, const int* tables, const int* lengths, int H, int Hkv, int hd,
-                                   int bs, int B, long long ldq, long long ldk, long long ldv, float scale, int c,
-                                   int C, Emit emit) {
-    const int kvh = blockIdx.x, s = blockIdx.y;
-    const int tid = threadIdx.y * 32 + threadIdx.x, nthreads = NWARPS * 32;
+extern "C" __global__ void __launch_bounds__(NWARPS * 32)
+paged_decode_attention(const act_t* q, const act_t* k, const act_t* v, storage_t* pool_k, storage_t* pool_v,
+                       const int* tables, const int* lengths, const float* cos, const float* sin, int rotary_dim,
+                       act_t* out, float* part, int* counters, int H, int Hkv, int hd, int bs, int B, long long ldq,
+                       long long ldk, long long ldv, long long ldo, float scale) {
+    if (H != GROUP * Hkv || hd != HEAD_DIM || rotary_dim < 0 || rotary_dim > hd || rotary_dim % 2) return;
+    const int kvh = blockIdx.x, s = blockIdx.y, c = blockIdx.z, C = gridDim.z;
+    const int tid = threadIdx.y * 32 + threadIdx.x;
     const int* table = tables + (long long)s * B;
     const long long length = lengths[s], pos = length - 1;
-    // row j of KV head kvh: pool[table[j / bs], kvh, j % bs, :]
-    auto row = [&](long long j) { return (((long long)table[j / bs] * Hkv + kvh) * bs + j % bs) * hd; };
+    // row j of KV head kvh: pool[table[j / bs], kvh, j % bs, :]. The pools are not const / __restrict__: the row
+    // appended here is read back after a __syncthreads, which the read-only cache would not promise.
+    auto row = [&](long long j) { return (((long long)table[j / bs] * Hkv + kvh) * bs + j % bs) * HEAD_DIM; };
     long long begin, end;
     decode_chunk(length, c, C, begin, end);
 
-    // 1. append this token's key and value (the last chunk holds its position)
+    // 1. the query heads (rotated, scaled); the token's key (rotated) and value appended by the last chunk
+    decode_stage_q(q, s, kvh, ldq, cos, sin, rotary_dim, scale);
     if (c == C - 1) {
         const long long dst = row(pos);
-        for (int d = tid; d < hd; d += nthreads) {
-            pool_k[dst + d] = from_float<storage_t>(to_float(k[s * ldk + (long long)kvh * hd + d]));
-            pool_v[dst + d] = from_float<storage_t>(to_float(v[s * ldv + (long long)kvh * hd + d]));
+        for (int d = tid; d < HEAD_DIM; d += NWARPS * 32) {
+            pool_k[dst + d] = from_float<storage_t>(decode_new_k(k, s, kvh, ldk, cos, sin, rotary_dim, d));
+            pool_v[dst + d] = from_float<storage_t>(to_float(v[s * ldv + (long long)kvh * HEAD_DIM + d]));
         }
     }
-    // 2. attend over the chunk's positions through the table
-    decode_attend(q, s, kvh, H / Hkv, hd, begin, end, ldq, scale, [&](long long j, int d, float& kf, float& vf) {
-        const long long at = row(j) + d;
-        kf = to_float(pool_k[at]);
-        vf = to_float(pool_v[at]);
-    }, emit);
-}
-
-extern "C" __global__ void __launch_bounds__(NWARPS * 32)
-paged_decode_attention(const act_t* q, const act_t* k, const act_t* v, storage_t* pool_k, storage_t* pool_v,
-                       const int* tables, const int* lengths, act_t* out, int H, int Hkv, int hd, int bs, int B,
-                       long long ldq, long long ldk, long long ldv, long long ldo, float scale) {
-    const int g = H / Hkv;
-    if (g > MAX_GROUP || hd > MAX_HEAD_DIM) return;
-    paged_decode_block(q, k, v, pool_k, pool_v, tables, lengths, H, Hkv, hd, bs, B, ldq, ldk, ldv, scale, 0, 1,
-                       decode_write_out(out, blockIdx.y, blockIdx.x, g, hd, ldo));
-}
-
-extern "C" __global__ void __launch_bounds__(NWARPS * 32)
-paged_decode_attention_split(const act_t* q, const act_t* k, const act_t* v, storage_t* pool_k, storage_t* pool_v,
-                             const int* tables, const int* lengths, float* part, int H, int Hkv, int hd, int bs,
-                             int B, long long ldq, long long ldk, long long ldv, float scale) {
-    const int g = H / Hkv, c = blockIdx.z, C = gridDim.z;
-    if (g > MAX_GROUP || hd > MAX_HEAD_DIM) return;
-    paged_decode_block(q, k, v, pool_k, pool_v, tables, lengths, H, Hkv, hd, bs, B, ldq, ldk, ldv, scale, c, C,
-                       decode_write_partial(part, blockIdx.y, blockIdx.x, g, hd, H, c, C));
+    __syncthreads();
+    // 2. attend over the chunk's positions through the table, in 16-byte vectors
+    decode_attend(begin, end, s, kvh, H, c, C, DecodeOut{out, ldo, part, counters},
+                  [&](long long j, int vi, float (&kf)[dec::VEC], float (&vf)[dec::VEC]) {
+                      const long long at = row(j) + vi * dec::VEC;
+                      load_vec<storage_t, dec::VEC>(pool_k + at, kf);
+                      load_vec<storage_t, dec::VEC>(pool_v + at, vf);
+                  });
 }

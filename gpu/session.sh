@@ -16,6 +16,8 @@
 #   sanitize  compute-sanitizer memcheck and racecheck over the op tests
 #   bench     python -m bench.gpu (copy bandwidth, decode, graphs, prefill, MoE gating,
 #             transformers eager)
+#   attention python -m bench.gpu_attention: decode attention alone (dense and paged, float16 and float32 KV,
+#             batch 1 and 16, context 128 / 1024 / 4096) against the copy bandwidth (issue 29; 2 files)
 #   quant     python -m bench.quant --backend cupy (needs the GGUF: stash + models first)
 #   encoder   python -m bench.encoder --backend cupy (needs MiniLM: stash + models first)
 #   offload   python -m bench.offload --backend cupy (needs models/smollm2.h5)
@@ -96,6 +98,8 @@ step_sanitize() {
 }
 
 step_bench() { python3 -m bench.gpu --out "$OUT" --commit "$COMMIT"; }
+
+step_attention() { python3 -m bench.gpu_attention --out "$OUT"; }
 
 step_quant() { python3 -m bench.quant --backend cupy --gguf "$GGUF" --out "$OUT"; }
 

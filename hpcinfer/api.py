@@ -41,8 +41,9 @@ def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", 
     with open_checkpoint(path) as ckpt:
         quant = load_quant(ckpt, quantize, group_size, embedding)
         kv = kv_format(kv_cache, kv_cache_group, ckpt.arch.head_dim)
-        return Decoder(make_ops(backend, device), groups or Groups(), ckpt.arch, dtype, kv_format=kv,
-                       attention_topk=attention_topk).load(ckpt, quantize=quant)
+        kv_dtype = dtype if dtype in ("float16", "bfloat16") else "float32"     # [model] kv_dtype = "auto"
+        return Decoder(make_ops(backend, device, kv_dtype=kv_dtype), groups or Groups(), ckpt.arch, dtype,
+                       kv_format=kv, attention_topk=attention_topk).load(ckpt, quantize=quant)
 
 
 def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:

@@ -69,6 +69,11 @@ class ModelSection:
     kv_cache: str = field(default="none", metadata=_meta(
         "KV cache storage: none (float32), int8 or int4 (group-wise asymmetric along head_dim; docs/quantization.md)",
         choices=("none", "int8", "int4")))
+    kv_dtype: str = field(default="auto", metadata=_meta(
+        "storage of a float KV cache (kv_cache = none) on the GPU: auto = the model's dtype when it is float16 or "
+        "bfloat16 and no KV row goes to host memory (schedule.kv_offload_threshold, [offload]), else float32; or "
+        "float32 / float16 / bfloat16. The NumPy backend keeps float32 (docs/gpu.md)",
+        choices=("auto", "float32", "float16", "bfloat16")))
     kv_cache_group: int = field(default=64, metadata=_meta(
         "values per scale/min group of the quantized KV cache; clamped to head_dim, must divide it", _positive))
     verify: bool = field(default=False, metadata=_meta(
@@ -378,8 +383,36 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def _kv_host_tier(config) -> bool:
+    """KV rows of the job may live in host memory: idle micro-batches offloaded, the cache's rows placed there
+    (offload.cache_gpu < 100, CPU attention), or the zig-zag schedule's blocks."""
+    off = config.offload
+    return (bool(config.schedule.kv_offload_bytes) or off.cache_gpu < 100 or off.cpu_attention or
+            off.schedule == "zigzag")
+
+
+def gpu_kv_dtype(config) -> str:
+    """[model] kv_dtype resolved for the GPU: "auto" -> [model] dtype when it is float16 or bfloat16 and the job
+    keeps every KV row on the device, else float32; an explicit choice as given (the NumPy backend ignores it)."""
+    choice = config.model.kv_dtype
+    if choice != "auto":
+        return choice
+    half = config.model.dtype in ("float16", "bfloat16")
+    return config.model.dtype if half and not _kv_host_tier(config) else "float32"
+
+
 def _check_kv_cache(path: str, config) -> None:
-    """A quantized KV cache needs a cache (a [generate] job); every schedule builds it (zig-zag moves it quantized)."""
+    """A quantized KV cache needs a cache (a [generate] job); every schedule builds it (zig-zag moves it quantized).
+    A half-precision float cache stays on the GPU: the host tiers keep float32 rows."""
+    if config.model.kv_dtype in ("float16", "bfloat16"):
+        if config.runtime.backend == "numpy":
+            raise ConfigError(f"{path}: model.kv_dtype = {config.model.kv_dtype!r} applies to the GPU (backend = "
+                              f"\"cupy\" or \"auto\"); the NumPy backend keeps a float32 KV cache: use \"auto\" "
+                              f"or \"float32\"")
+        if _kv_host_tier(config):
+            raise ConfigError(f"{path}: model.kv_dtype = {config.model.kv_dtype!r} with KV rows in host memory "
+                              f"(schedule.kv_offload_threshold or [offload]): the host tiers keep float32 rows; use "
+                              f"\"auto\" or \"float32\"")
     if config.model.kv_cache == "none":
         return
     if config.generate is None:

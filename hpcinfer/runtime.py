@@ -24,7 +24,7 @@ from .comm.mesh import build_mesh, shared_memory_ranks
 from .comm.mpi_library import load_mpi
 from .comm.nccl_group import NcclGroup, device_group_factory, resolve_comm
 from .comm.pipeline import StageLink
-from .config import load_config
+from .config import gpu_kv_dtype, load_config
 from .embed.job import embed_metrics, open_writer, prepare_embed_job, run_rounds
 from .errors import HpcinferError
 from .metrics import held_bytes
@@ -203,7 +203,7 @@ def _compute_setup(world, config, pp: int, ranks_per_node: int):
     threads = _set_threads(config, world)
     _print_mesh(world, mesh, threads)
     ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank, threads=threads,
-                                                   cpu_kernels=config.runtime.cpu_kernels))
+                                        cpu_kernels=config.runtime.cpu_kernels, kv_dtype=gpu_kv_dtype(config)))
     comm = agree(world, lambda: resolve_comm(config.runtime.comm, ops, world))
     agree(world, lambda: check_graphs_comm(config, comm))         # [runtime] cuda_graphs with tp over MPI
     return mesh, threads, ops, _groups(config, mesh, device_group_factory(comm, ops)), comm

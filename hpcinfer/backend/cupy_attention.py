@@ -8,7 +8,8 @@ code; a DeviceStep (cupy_graphs.py) is read from its device buffers only, so the
 graph. One block per (KV head, sequence) leaves most SMs idle in a small batch (25 blocks on an H200's 132 for
 gpt2-1.5b at batch 1: 27 us for 2 MB of K/V), so there `launch_decode` splits each context into C chunks
 (flash-decoding, decode_attention_core.cuh): a block per chunk writes its partial softmax to a float32 workspace
-and a second small kernel merges them in chunk order (deterministic). C (decode_splits) depends only on the batch
+and the last block of each (sequence, KV head) merges them in chunk order, in the same launch (deterministic: the
+order of the sums never depends on which block finishes last). C (decode_splits) depends only on the batch
 size, the KV heads, the positions read (a graph key's KV bucket) and the device, so a captured grid stays valid at
 every replay; the kernels cut each sequence's own length, read on the device, into the C chunks.
 Prefill: kv_append.cu + prefill_attention.cu over packed sequences, or CuPy array code per sequence.
@@ -25,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import cupy_kv
-from .cupy_decode import DECODE, launch_decode
-from .cupy_dtypes import BF16_BITS
+from .cupy_decode import decode_defines, decode_fits, launch_decode, rope_args, rotated
+from .cupy_dtypes import BF16_BITS, c_type, stored
 from .cupy_graphs import DeviceStep
 from .interface import StepLayout
 from .kv_attention import SplitRows, split_attention
@@ -35,19 +36,23 @@ F32 = np.float32
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
 
 
-def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
+def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0, rope=None):
     """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
-    q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd].
-    Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu. A QuantizedKV cache
-    and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py."""
+    q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd]; rope (cos, sin,
+    rotary_dim) or None: q and k rotated first (fused into decode_attention.cu, else ops.rotary).
+    Kernels: decode_attention.cu (the append and rotary fused), kv_append.cu + prefill_attention.cu. A QuantizedKV
+    cache and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py."""
     cp = ops.xp
-    if isinstance(cache_k, SplitRows):                       # CPU delegation over a split cache: by rows
-        return split_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk,
-                               lambda *args: host_attention(ops, *args))
-    if _on_host(cache_k):                                    # CPU delegation: the cache stays where it lies
-        return host_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)
+    if isinstance(cache_k, SplitRows) or _on_host(cache_k):
+        q, k = rotated(ops, q, k, rope)
+        if isinstance(cache_k, SplitRows):                   # CPU delegation over a split cache: by rows
+            return split_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk,
+                                   lambda *args: host_attention(ops, *args))
+        return host_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)   # the cache stays where it lies
     if topk or not isinstance(cache_k, cp.ndarray):          # a QuantizedKV cache, or top-k: cupy_kv.py
-        return cupy_kv.attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)
+        return cupy_kv.attention(ops, q, k, v, cache_k, cache_v, step, scale, topk, rope)
+    if not step.is_decode:                                   # prefill: rotated here, the kernels take it as given
+        q, k = rotated(ops, q, k, rope)
     if step.num_tokens == 0:
         return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
     check_cache(cache_k, cache_v)
@@ -56,29 +61,37 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
                          f"cache of {cache_k.shape[2]}")
     heads, kv_heads, hd = q.shape[1], cache_k.shape[1], q.shape[2]
     kernel_shapes = (q.dtype == k.dtype == v.dtype == F32 and heads % kv_heads == 0 and hd <= 128)
+    storage = c_type(cache_k.dtype)                          # T_STORAGE: float, __half, __nv_bfloat16
     if step.is_decode:
         slots, starts, L = decode_indices(ops, step, cache_k.shape[2])
-        single = ops._kernel("decode_attention", "decode_attention", **DECODE)
-        if single is not None and kernel_shapes and heads // kv_heads <= DECODE["MAX_GROUP"]:
-            split = ops._kernel("decode_attention", "decode_attention_split", **DECODE)
+        fn = (ops._kernel("decode_attention", "decode_attention",
+                          **decode_defines(heads, kv_heads, hd, T_STORAGE=storage))
+              if q.dtype == k.dtype == v.dtype == F32 and decode_fits(heads, kv_heads, hd) else None)
+        if fn is not None:
             (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
-            return launch_decode(ops, single, split, (q.shape[0], heads, kv_heads, hd), L, lambda out, ldo: (
-                q, k, v, cache_k, cache_v, slots, starts, out, _i32(heads), _i32(kv_heads), _i32(hd),
-                _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk), _i64(ldv), *ldo, _f32c(scale)))
-        ops.k.kv_append(cp.ascontiguousarray(k, dtype=F32), cp.ascontiguousarray(v, dtype=F32), slots, starts,
-                        cache_k.shape[1], cache_k.shape[2], cache_k.shape[3], cache_k, cache_v, size=k.size)
+            return launch_decode(ops, fn, (q.shape[0], heads, kv_heads, hd), L, lambda out, part, done, ldo: (
+                q, k, v, cache_k, cache_v, slots, starts, *rope_args(ops, rope), out, part, done, _i32(heads),
+                _i32(kv_heads), _i32(hd), _i32(cache_k.shape[2]), _i64(ldq), _i64(ldk), _i64(ldv), ldo,
+                _f32c(scale)))
+        q, k = rotated(ops, q, k, rope)
+        if cache_k.dtype == F32:
+            ops.k.kv_append(cp.ascontiguousarray(k, dtype=F32), cp.ascontiguousarray(v, dtype=F32), slots, starts,
+                            cache_k.shape[1], cache_k.shape[2], cache_k.shape[3], cache_k, cache_v, size=k.size)
+        else:                                                # half storage: rounded as the kernels round
+            cache_k[slots, :, starts] = stored(ops, k, cache_k.dtype)
+            cache_v[slots, :, starts] = stored(ops, v, cache_v.dtype)
         return _decode_attention(ops, q, cache_k, cache_v, slots, starts, L, step, scale)
-    append = ops._kernel("kv_append", "kv_append", BLOCK=128)
+    append = ops._kernel("kv_append", "kv_append", BLOCK=128, T_STORAGE=storage)
     attend = ops._kernel("prefill_attention", "prefill_attention", NWARPS=4, ROWS_PER_WARP=4,
-                         MAX_HEAD_DIM=128, KT=32)
+                         MAX_HEAD_DIM=128, KT=32, T_STORAGE=storage)
     if append is not None and attend is not None and kernel_shapes and heads // kv_heads <= 16:
         return _prefill_kernels(ops, append, attend, q, k, v, cache_k, cache_v, step, scale)
     out = cp.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
     for s in range(step.num_seqs):
         a, b = step.token_range(s)
         slot, start = int(step.slots[s]), int(step.starts[s])
-        cache_k[slot, :, start:start + b - a] = k[a:b].transpose(1, 0, 2)
-        cache_v[slot, :, start:start + b - a] = v[a:b].transpose(1, 0, 2)
+        cache_k[slot, :, start:start + b - a] = stored(ops, k[a:b].transpose(1, 0, 2), cache_k.dtype)
+        cache_v[slot, :, start:start + b - a] = stored(ops, v[a:b].transpose(1, 0, 2), cache_v.dtype)
         out[a:b] = causal_attention(ops, q[a:b], cache_k[slot], cache_v[slot], start, scale)
     return out
 
@@ -129,11 +142,12 @@ def _as_f32(host):
 
 
 def check_cache(cache_k, cache_v):
-    """A float KV cache is contiguous float32, as the kernels and the fallback index it."""
+    """A float KV cache is contiguous float32, float16 or bfloat16 (uint16 bits), K and V alike, as the kernels
+    (T_STORAGE) and the fallback index it."""
     for array in (cache_k, cache_v):
-        if array.dtype != F32 or not array.flags.c_contiguous:
-            raise ValueError(f"attention: the KV cache must be contiguous float32, got {array.dtype} "
-                             f"(contiguous: {array.flags.c_contiguous})")
+        if c_type(array.dtype) is None or array.dtype != cache_k.dtype or not array.flags.c_contiguous:
+            raise ValueError(f"attention: the KV cache must be contiguous float32, float16 or bfloat16 (K and V "
+                             f"alike), got {array.dtype} (K {cache_k.dtype}, contiguous: {array.flags.c_contiguous})")
 
 
 def decode_indices(ops, step: StepLayout, lmax: int):
@@ -157,6 +171,7 @@ def _decode_attention(ops, q, cache_k, cache_v, slots, starts, L: int, step: Ste
         keys, values = cache_k[first:first + S, :, :L], cache_v[first:first + S, :, :L]
     else:
         keys, values = cache_k[slots, :, :L], cache_v[slots, :, :L]              # [S, Hkv, L, hd]
+    keys, values = ops._f32(keys), ops._f32(values)                              # half storage widened
     qg = (q * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)             # [S, Hkv, g, hd]
     scores = ops.matmul(qg, keys.transpose(0, 1, 3, 2))                            # [S, Hkv, g, L]
     visible = cp.arange(L)[None, :] < (starts + 1)[:, None]                      # [S, L]
@@ -172,12 +187,13 @@ def causal_attention(ops, q, k_seq, v_seq, start: int, scale: float):
     kv_heads = k_seq.shape[0]
     group, length = heads // kv_heads, start + n
     qg = (q * F32(scale)).transpose(1, 0, 2).reshape(kv_heads, group * n, hd)    # [Hkv, g*n, hd]
-    scores = ops.matmul(qg, k_seq[:, :length].transpose(0, 2, 1)).reshape(kv_heads, group, n, length)
+    k_seq, v_seq = ops._f32(k_seq[:, :length]), ops._f32(v_seq[:, :length])       # half storage widened
+    scores = ops.matmul(qg, k_seq.transpose(0, 2, 1)).reshape(kv_heads, group, n, length)
     if n > 1:
         future = cp.arange(length)[None, :] > (start + cp.arange(n))[:, None]   # [n, L]
         scores += cp.where(future, F32(-np.inf), F32(0))
     probs = softmax(cp, scores).reshape(kv_heads, group * n, length)
-    out = ops.matmul(probs, v_seq[:, :length])                                     # [Hkv, g*n, hd]
+    out = ops.matmul(probs, v_seq)                                                 # [Hkv, g*n, hd]
     return out.reshape(heads, n, hd).transpose(1, 0, 2).reshape(n, heads * hd)
 
 

@@ -6,7 +6,7 @@ are stored quantized; top-k keeps ceil(topk * length) positions per query head, 
 when a decode step asks for top-k. Kernels (cuda_src/, KV_BITS = 4 | 8):
 - decode: decode_attention_quant.cu reads the quantized cache and dequantizes in registers, the new rows fused in
   (quantized into the cache by the same launch); no float copy of the cache. Small batches split each context
-  across blocks (flash-decoding) as the float cache does: launch_decode chooses and launches.
+  across blocks and combine them in the same launch, as the float cache does: launch_decode chooses and launches.
 - prefill: kv_quant.cu's kv_dequantize_rows writes only the rows the step reads (each sequence's positions before its
   new tokens) into a float scratch cache [S, Hkv, Lp, hd]; the float path (kv_append + prefill_attention) attends
   over it; kv_quantize_append then stores the new rows quantized.
@@ -28,7 +28,8 @@ import numpy as np
 
 from ..quant.formats import QuantError
 from ..quant.kv import KVFormat, QuantizedKV
-from .cupy_decode import DECODE, launch_decode
+from .cupy_dtypes import stored
+from .cupy_decode import decode_defines, decode_fits, launch_decode, rope_args, rotated
 from .interface import StepLayout
 from .kv_attention import keep_counts
 
@@ -37,14 +38,18 @@ _i32, _i64, _f32c = np.int32, np.int64, np.float32
 BLOCK = 128
 
 
-def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
+def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0, rope=None):
     """As NumpyOps.attention (kv_attention.attention) on the device. q [T, H, hd]; k, v [T, Hkv, hd]; caches
-    [N, Hkv, Lmax, hd] float32 device arrays or QuantizedKV of device arrays -> [T, H*hd]."""
+    [N, Hkv, Lmax, hd] float32 device arrays or QuantizedKV of device arrays -> [T, H*hd]; rope (cos, sin,
+    rotary_dim) or None: q and k rotated first (fused into decode_attention_quant.cu, else ops.rotary)."""
     cp = ops.xp
     quantized = isinstance(cache_k, QuantizedKV)
     sparse = step.is_decode and 0 < topk < 1
     if not quantized and not sparse:
-        return ops.attention(q, k, v, cache_k, cache_v, step, scale)                  # dense over a float cache
+        return ops.attention(q, k, v, cache_k, cache_v, step, scale, rope=rope)      # dense over a float cache
+    if not (quantized and step.is_decode and not sparse):   # only the quantized decode kernel fuses it
+        q, k = rotated(ops, q, k, rope)
+        rope = None
     if step.num_tokens == 0:
         return cp.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
     if quantized:
@@ -61,7 +66,7 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     if sparse:
         out = _top_k_decode(ops, q, k, v, cache_k, cache_v, step, scale, topk)
     elif step.is_decode:
-        return _decode(ops, q, k, v, cache_k, cache_v, step, scale)
+        return _decode(ops, q, k, v, cache_k, cache_v, step, scale, rope)
     else:
         out = _prefill(ops, q, k, v, cache_k, cache_v, step, scale)
     check_overflow(ops)
@@ -85,7 +90,7 @@ def _check_quantized(cp, cache_k, cache_v) -> None:
 
 
 # ---- the three steps ---------------------------------------------------------------------------------------------
-def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
+def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, rope=None):
     """One new token per sequence over a quantized cache: q [S, H, hd] -> [S, H*hd]; reads no host value with a
     DeviceStep on the kernel path (graph-capturable)."""
     cp = ops.xp
@@ -93,14 +98,16 @@ def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float):
     kv_heads, lmax = cache_k.shape[1], cache_k.shape[2]
     slots, starts, L = ops._decode_indices(step, lmax)
     fmt = cache_k.fmt
-    bounds = DECODE                          # the float decode kernels' defines (one block shape)
-    single = _kernel(ops, "decode_attention_quant", "decode_attention_quant", fmt, **bounds)
-    if single is not None and heads // kv_heads <= bounds["MAX_GROUP"] and hd <= bounds["MAX_HEAD_DIM"]:
-        split = _kernel(ops, "decode_attention_quant", "decode_attention_quant_split", fmt, **bounds)
+    fits = decode_fits(heads, kv_heads, hd)
+    fn = _kernel(ops, "decode_attention_quant", "decode_attention_quant", fmt,
+                 **decode_defines(heads, kv_heads, hd)) if fits else None
+    if fn is not None:
         (q, ldq), (k, ldk), (v, ldv) = ops._rows(q), ops._rows(k), ops._rows(v)
-        return launch_decode(ops, single, split, (S, heads, kv_heads, hd), L, lambda out, ldo: (
-            q, k, v, *cache_k.parts(), *cache_v.parts(), slots, starts, out, _i32(heads), _i32(kv_heads), _i32(hd),
-            _i32(fmt.group), _i32(lmax), _i64(ldq), _i64(ldk), _i64(ldv), *ldo, _f32c(scale), _status(ops)))
+        return launch_decode(ops, fn, (S, heads, kv_heads, hd), L, lambda out, part, done, ldo: (
+            q, k, v, *cache_k.parts(), *cache_v.parts(), slots, starts, *rope_args(ops, rope), out, part, done,
+            _i32(heads), _i32(kv_heads), _i32(hd), _i32(fmt.group), _i32(lmax), _i64(ldq), _i64(ldk), _i64(ldv),
+            ldo, _f32c(scale), _status(ops)))
+    q, k = rotated(ops, q, k, rope)
     keys = _read_prefix(ops, cache_k, slots, L)                                       # [S, Hkv, L, hd]
     values = _read_prefix(ops, cache_v, slots, L)
     at = cp.arange(S)
@@ -152,9 +159,9 @@ def _top_k_decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float
         keys = _read_prefix(ops, cache_k, slots, L)                                   # [S, Hkv, L, hd]
         keys[at, :, starts] = k                                                       # unquantized, as FlexGen
     else:
-        cache_k[slots, :, starts] = k                                                 # a float cache takes them first
-        cache_v[slots, :, starts] = v
-        keys = cache_k[slots, :, :L]
+        cache_k[slots, :, starts] = stored(ops, k, cache_k.dtype)                     # a float cache takes them first
+        cache_v[slots, :, starts] = stored(ops, v, cache_v.dtype)
+        keys = ops._f32(cache_k[slots, :, :L])                                        # half storage widened
     qg = (q * F32(scale)).reshape(S, kv_heads, group, hd)                             # [S, Hkv, g, hd]
     scores = ops.matmul(qg, keys.transpose(0, 1, 3, 2))                                # [S, Hkv, g, L]
     scores += cp.where(cp.arange(L)[None, :] < cp.asarray(lengths)[:, None], F32(0), F32(-np.inf))[:, None, None, :]
@@ -173,7 +180,7 @@ def _top_k_decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float
         rows = rows.reshape(S, kv_heads, group, K, hd)
         rows = cp.where((idx == starts[:, None, None, None])[..., None], v[:, :, None, None, :], rows)
     else:
-        rows = cache_v[slots[s_ix], h_ix, idx]                                        # [S, Hkv, g, K, hd]
+        rows = ops._f32(cache_v[slots[s_ix], h_ix, idx])                              # [S, Hkv, g, K, hd]
     out = ops.matmul(probs[..., None, :], rows)[..., 0, :]                             # [S, Hkv, g, hd]
     if quantized:
         append(ops, k, v, cache_k, cache_v, slots, starts, cp.arange(S + 1, dtype=np.int64), 1)

@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..kernels.loader import kernel
 from . import cupy_attention, cupy_moe, cupy_paged, cupy_quant, cupy_sbi, moe_ops
-from .cupy_dtypes import BF16_BITS, is_bf16
+from .cupy_dtypes import BF16_BITS, KV_DTYPES, c_type as _c_type, is_bf16
 from .cupy_transfer import StreamCopies
 from .interface import StepLayout, unfused_linear
 from .numpy_ops import NumpyOps
@@ -62,11 +62,6 @@ def gpu_available() -> bool:
         return False
 
 
-def _c_type(dtype) -> str | None:
-    """The kernels' T_STORAGE for a device dtype (uint16 holds bfloat16 bits); None for any other dtype."""
-    return {"float32": "float", "float16": "__half", "uint16": "__nv_bfloat16"}.get(np.dtype(dtype).name)
-
-
 _i32, _i64, _f32c = np.int32, np.int64, np.float32       # kernel argument types
 _ACT_CODES = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}     # common.cuh ACT_*
 
@@ -79,7 +74,7 @@ class CupyOps:
     name = "cupy"
 
     def __init__(self, device: int | None = None, kernels: bool = True, host_threads: int | None = None,
-                 host_kernels: str = "numpy"):
+                 host_kernels: str = "numpy", kv_dtype: str = "float32"):
         cupy = _import_cupy()
         if cupy is None:
             raise ConfigError("[runtime] backend = \"cupy\" needs cupy: pip install -e '.[gpu]' (cupy-cuda12x, or "
@@ -88,6 +83,9 @@ class CupyOps:
             raise ConfigError("[runtime] backend = \"cupy\" needs a CUDA GPU, and cupy sees none here "
                               "(cupy.is_available() is False: no GPU, no driver, or CUDA_VISIBLE_DEVICES is empty); "
                               "use backend = \"numpy\" or \"auto\"")
+        if kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"CupyOps: kv_dtype = {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        self.kv_dtype = kv_dtype             # a float KV cache's storage (the stores allocate with ops.zeros)
         self.xp = cupy
         self.device_id = None
         if device is not None:
@@ -315,15 +313,18 @@ class CupyOps:
         return out
 
     # ---- attention (backend/cupy_attention.py) ----------------------------------------------------------------
-    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
+    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0,
+                  rope=None):
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] float32 -> out [T, H*hd].
+        rope = (cos [T, rd/2], sin [T, rd/2], rotary_dim): q and k rotated first, as NumpyOps.attention does; the
+        decode kernels fuse it (q rotated as it is loaded, k as it is appended), other paths call self.rotary.
         Kernels: decode_attention.cu (the append fused), kv_append.cu + prefill_attention.cu. A QuantizedKV cache
         and top-k (0 < topk < 1, decode) go to backend/cupy_kv.py. A paged step (the continuous schedule's pools
         [blocks, Hkv, block_size, hd]) goes to backend/cupy_paged.py."""
         if step.is_paged:
-            return cupy_paged.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
-        return cupy_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
+            return cupy_paged.attention(self, q, k, v, cache_k, cache_v, step, scale, topk, rope)
+        return cupy_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk, rope)
 
     def bidirectional_attention(self, q, k, v, step: StepLayout, scale: float):
         """As NumpyOps.bidirectional_attention (encoders, no KV cache). q [T, H, hd], k, v [T, Hkv, hd] ->

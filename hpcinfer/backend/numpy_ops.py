@@ -189,12 +189,19 @@ class NumpyOps:
         return out
 
     # ---- attention over the KV cache -----------------------------------------------------------------------
-    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
+    kv_dtype = "float32"                                     # a float KV cache's storage: float32 on the CPU
+
+    def attention(self, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0,
+                  rope=None):
         """Append k, v to the cache, then causal attention of q over each sequence's cached positions.
 
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] -> out [T, H*hd].
+        rope = (cos [T, rd/2], sin [T, rd/2], rotary_dim): q and k are rotated first (self.rotary; the CuPy decode
+        kernels fuse it into their q load and k append), None: q and k as given.
         A quantized cache (quant.kv.QuantizedKV) or top-k decode (0 < topk < 1): backend/kv_attention.py.
         """
+        if rope is not None:
+            q, k = self.rotary(q, *rope), self.rotary(k, *rope)
         if step.num_tokens == 0:                             # a replica with no tokens in a lockstep step
             return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
         if step.is_paged:                                    # the continuous schedule's paged KV pool

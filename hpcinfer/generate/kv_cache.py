@@ -90,8 +90,8 @@ class KVCache:
         self.peak_bytes = self.nbytes
 
     def _zeros(self, shape):                                     # one layer's K or V: [N, Hkv, Lmax, hd] rows
-        if self.kv_format is None:
-            return self.ops.zeros(shape, np.float32)
+        if self.kv_format is None:                               # the backend's float KV dtype ([model] kv_dtype)
+            return self.ops.zeros(shape, getattr(self.ops, "kv_dtype", "float32"))
         return QuantizedKV.zeros(self.ops, self.kv_format, shape)
 
     @property

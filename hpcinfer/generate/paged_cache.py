@@ -1,5 +1,6 @@
 """The paged KV cache of the continuous schedule (issue 21; vLLM's PagedAttention): one pool of fixed-size blocks
-per rank and local layer, k[i], v[i] [num_blocks, Hkv local, block_size, hd] float32 (or, with `[model] kv_cache`
+per rank and local layer, k[i], v[i] [num_blocks, Hkv local, block_size, hd] in the backend's float KV dtype
+(`ops.kv_dtype`: float32, or on the GPU `[model] kv_dtype`) (or, with `[model] kv_cache`
 int8 / int4, a quant.kv.QuantizedKV of that logical shape: the dense cache's rows, in blocks), and a block table
 per running sequence (generate/block_manager.py). A step over it is a StepLayout.paged; the backends' attention appends the
 step's rows at their blocks and reads each sequence's positions through its table (backend/paged_attention.py).
@@ -10,13 +11,10 @@ default what batch_size sequences need at their longest: then the running set ne
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..backend.interface import StepLayout
 from ..quant.kv import QuantizedKV, kv_bytes_per_token
 from .block_manager import BlockPool, BlockTables
 
-F32 = np.float32
 
 
 def block_bytes(num_layers: int, kv_heads: int, block_size: int, head_dim: int, kv_format=None) -> int:
@@ -76,6 +74,9 @@ class PagedKVCache:
 
 
 def _pool(ops, shape: tuple, kv_format):
-    """One layer's K (or V) pool [blocks, Hkv, bs, hd]: float32 zeros, or a QuantizedKV of zeros (the dense
-    quantized cache's arrays with slots = blocks and positions = a block's rows)."""
-    return ops.zeros(shape, F32) if kv_format is None else QuantizedKV.zeros(ops, kv_format, shape)
+    """One layer's K (or V) pool [blocks, Hkv, bs, hd]: zeros of the backend's float KV dtype ([model] kv_dtype:
+    float32 on NumPy), or a QuantizedKV of zeros (the dense quantized cache's arrays with slots = blocks and
+    positions = a block's rows)."""
+    if kv_format is None:
+        return ops.zeros(shape, getattr(ops, "kv_dtype", "float32"))
+    return QuantizedKV.zeros(ops, kv_format, shape)

@@ -30,12 +30,13 @@ class Attention:
         qkv = self.qkv(x, norm)                              # [T, (H + 2 Hkv) hd]
         k_end = (self.heads + self.kv_heads) * hd
         qk = qkv[:, :k_end].reshape(T, self.heads + self.kv_heads, hd)
-        if rope is not None:                                 # q and k heads rotate together, in one call
-            qk = self.ops.rotary(qk, *rope, self.arch.rotary_dim)
+        rope = None if rope is None else (*rope, self.arch.rotary_dim)
+        if rope is not None and not self.arch.causal:        # q and k heads rotate together, in one call
+            qk, rope = self.ops.rotary(qk, *rope), None
         q, k = qk[:, :self.heads], qk[:, self.heads:]
         v = qkv[:, k_end:].reshape(T, self.kv_heads, hd)
-        if self.arch.causal:
-            ctx = self.ops.attention(q, k, v, cache_k, cache_v, step, self.scale, self.topk)   # [T, H hd]
+        if self.arch.causal:                                 # rotary inside (fused into the GPU decode kernels)
+            ctx = self.ops.attention(q, k, v, cache_k, cache_v, step, self.scale, self.topk, rope)   # [T, H hd]
         else:                                                # an encoder: no cache, whole sequences
             ctx = self.ops.bidirectional_attention(q, k, v, step, self.scale)
         return self.out(ctx, residual)

@@ -132,16 +132,13 @@ def test_a_device_step_decodes_from_its_buffers_split_by_its_bucket(emu_cupy, mo
     ops._sm_count = 0 if chunks is None else 132
     device = None if kv_len is None and chunks == 3 else (lambda cp, step: stale_device_step(cp, step, kv_len))
     check_against_numpy(emu_cupy, ops, kind, 4, 4, 2, 16, device=device)
-    if chunks is None:
-        assert [f for f, _ in grids] == ["paged_decode_attention"]
-    else:
-        assert [(f, grid[2]) for f, grid in grids if f == "paged_decode_attention_split"] == [
-            ("paged_decode_attention_split", chunks)]
+    want = 1 if chunks is None else chunks
+    assert [(f, tuple(grid)[2]) for f, grid in grids] == [("paged_decode_attention", want)]   # one launch
 
 
 @pytest.mark.parametrize("sms, kind, want", [
     (0, "decode", ["paged_decode_attention"]),                               # unknown device: one pass
-    (132, "long-decode", ["paged_decode_attention_split", "decode_attention_combine"]),   # 48 positions: 3 chunks
+    (132, "long-decode", ["paged_decode_attention"]),     # 48 positions: 3 chunks, combined in the same launch
 ], ids=["one-pass", "flash-decoding"])
 def test_decode_runs_the_paged_kernels_alone(emu_cupy, monkeypatch, sms, kind, want):
     from hpcinfer.backend.cupy_ops import CupyOps
@@ -166,7 +163,10 @@ def test_an_empty_step_returns_no_rows(emu_cupy, ops):
 
 
 # ---- end to end: the continuous schedule on CupyOps --------------------------------------------------------------
-def test_continuous_schedule_on_cupy_gives_the_numpy_tokens(emu_cupy, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_continuous_schedule_on_cupy_gives_the_numpy_tokens(emu_cupy, monkeypatch, kv_dtype):
+    """The continuous schedule over CupyOps (paged decode kernel, rotary fused; a float32 pool, and the float16
+    pool [model] kv_dtype gives a float16 model by default) gives NumpyOps' tokens (its pool float32)."""
     from hpcinfer.backend.cupy_ops import CupyOps
     from hpcinfer.checkpoint.presets import PRESETS, PresetSource
     from hpcinfer.comm.group import Groups
@@ -178,11 +178,12 @@ def test_continuous_schedule_on_cupy_gives_the_numpy_tokens(emu_cupy, monkeypatc
 
     dense, kinds = CupyOps.attention, set()
 
-    def routed(self, q, k, v, cache_k, cache_v, step, scale, topk=0.0):   # the wiring CupyOps.attention needs
+    def routed(self, q, k, v, cache_k, cache_v, step, scale, topk=0.0, rope=None):   # CupyOps.attention's wiring
         if step.is_paged:
             kinds.add(step.is_decode)
-            return cupy_paged.attention(self, q, k, v, cache_k, cache_v, step, scale)
-        return dense(self, q, k, v, cache_k, cache_v, step, scale, topk)
+            assert cache_k.dtype == np.dtype(kv_dtype)
+            return cupy_paged.attention(self, q, k, v, cache_k, cache_v, step, scale, rope=rope)
+        return dense(self, q, k, v, cache_k, cache_v, step, scale, topk, rope)
 
     monkeypatch.setattr(CupyOps, "attention", routed)
     arch = PRESETS["tiny-dense"]
@@ -201,7 +202,7 @@ def test_continuous_schedule_on_cupy_gives_the_numpy_tokens(emu_cupy, monkeypatc
                        StepTimes(), ContinuousParams(2, 6), cache, after_step)
         return [out[i] for i in range(len(prompts))]
 
-    assert tokens(CupyOps(device=0)) == tokens(NumpyOps())
+    assert tokens(CupyOps(device=0, kv_dtype=kv_dtype)) == tokens(NumpyOps())
     assert kinds == {True, False}                                          # decode steps and prefill / mixed ones
 
 

@@ -115,6 +115,8 @@ inline T shfl(T v, int src) {
     return r;
 }
 
+inline std::vector<unsigned> block_order(unsigned count);   // below: the order of a launch's blocks
+
 // 0: done; 1: block size not a multiple of 32; 2: deadlock (divergent barrier) in a block.
 inline int launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
     g_grid = grid;
@@ -124,47 +126,48 @@ inline int launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
     if (n % 32 != 0) return 1;
     std::unique_ptr<char[]> stacks(new char[n * kStack]);
     g_fibers.assign(n, Fiber{});
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                g_block = make_uint3(bx, by, bz);
-                g_block_barrier = Barrier{0, n, 0};
-                g_warp_barriers.assign(n / 32, Barrier{0, 32, 0});
-                g_slots.assign(n, 0);
-                for (int i = 0; i < n; ++i) {
-                    Fiber& f = g_fibers[i];
-                    f.linear = i;
-                    f.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
-                    f.done = false;
-                    f.started = false;
-                    getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = stacks.get() + (size_t)i * kStack;
-                    f.ctx.uc_stack.ss_size = kStack;
-                    f.ctx.uc_link = &g_scheduler;
-                    makecontext(&f.ctx, fiber_main, 0);
-                }
-                for (int remaining = n; remaining > 0;) {
-                    const long before = g_progress;
-                    for (int i = 0; i < n; ++i) {
-                        if (g_fibers[i].done) continue;
-                        g_cur = i;
-                        if (!_setjmp(g_sched_jb)) {
-                            if (!g_fibers[i].started) {
-                                g_fibers[i].started = true;
-                                swapcontext(&g_scheduler, &g_fibers[i].ctx);
-                            } else {
-                                _longjmp(g_fibers[i].jb, 1);
-                            }
-                        }
-                        if (g_fibers[i].done) --remaining;
-                    }
-                    if (remaining > 0 && g_progress == before) {
-                        std::fprintf(stderr, "emu: deadlock in block (%u, %u, %u): every live thread waits at a "
-                                     "barrier that cannot complete (divergent __syncthreads or shuffle)\n", bx, by, bz);
-                        return 2;
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    const std::vector<unsigned> order = block_order(blocks);
+    for (unsigned b : order) {
+        const unsigned bx = b % grid.x, by = (b / grid.x) % grid.y, bz = b / (grid.x * grid.y);
+        g_block = make_uint3(bx, by, bz);
+        g_block_barrier = Barrier{0, n, 0};
+        g_warp_barriers.assign(n / 32, Barrier{0, 32, 0});
+        g_slots.assign(n, 0);
+        for (int i = 0; i < n; ++i) {
+            Fiber& f = g_fibers[i];
+            f.linear = i;
+            f.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
+            f.done = false;
+            f.started = false;
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = stacks.get() + (size_t)i * kStack;
+            f.ctx.uc_stack.ss_size = kStack;
+            f.ctx.uc_link = &g_scheduler;
+            makecontext(&f.ctx, fiber_main, 0);
+        }
+        for (int remaining = n; remaining > 0;) {
+            const long before = g_progress;
+            for (int i = 0; i < n; ++i) {
+                if (g_fibers[i].done) continue;
+                g_cur = i;
+                if (!_setjmp(g_sched_jb)) {
+                    if (!g_fibers[i].started) {
+                        g_fibers[i].started = true;
+                        swapcontext(&g_scheduler, &g_fibers[i].ctx);
+                    } else {
+                        _longjmp(g_fibers[i].jb, 1);
                     }
                 }
+                if (g_fibers[i].done) --remaining;
             }
+            if (remaining > 0 && g_progress == before) {
+                std::fprintf(stderr, "emu: deadlock in block (%u, %u, %u): every live thread waits at a "
+                             "barrier that cannot complete (divergent __syncthreads or shuffle)\n", bx, by, bz);
+                return 2;
+            }
+        }
+    }
     return 0;
 }
 
@@ -195,3 +198,31 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
+
+// ---- decode attention's single-launch combine (issue 29): device-wide counters, fences, L2 loads -----------------
+// Blocks run one after another, so an atomic is a plain read-modify-write and a fence has nothing to order.
+inline int atomicAdd(int* p, int v) {
+    const int old = *p;
+    *p = old + v;
+    return old;
+}
+inline void __threadfence() {}
+template <typename T>
+inline T __ldcg(const T* p) { return *p; }
+
+// The order the blocks of a launch run in: 0 (the default) x fastest, then y, then z; another seed, a permutation of
+// them drawn from it (a kernel whose result must not depend on which block finishes last is run in several).
+namespace emu {
+inline unsigned g_block_seed = 0;
+inline std::vector<unsigned> block_order(unsigned count) {
+    std::vector<unsigned> order(count);
+    for (unsigned i = 0; i < count; ++i) order[i] = i;
+    unsigned state = g_block_seed;
+    for (unsigned i = count; i > 1 && g_block_seed; --i) {           // Fisher-Yates with a small LCG
+        state = state * 1664525u + 1013904223u;
+        std::swap(order[i - 1], order[(state >> 8) % i]);
+    }
+    return order;
+}
+}  // namespace emu
+extern "C" __attribute__((visibility("default"))) void emu_set_block_order(unsigned seed) { emu::g_block_seed = seed; }

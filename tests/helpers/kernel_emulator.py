@@ -96,6 +96,13 @@ class EmulatedModule:
     def __init__(self, library: ctypes.CDLL, sigs, path: Path):
         self.library, self.sigs, self.path = library, sigs, path
 
+    def set_block_order(self, seed: int) -> None:
+        """Run this library's later launches with their blocks in an order drawn from `seed` (0: x fastest, then y,
+        then z, the default): a kernel whose result must not depend on which block finishes last is run in several
+        (cuda_emu.h, emu_set_block_order)."""
+        with _lock:
+            self.library.emu_set_block_order(ctypes.c_uint(seed))
+
     def launch(self, function: str, grid, block, *args) -> None:
         params = self.sigs[function]
         if len(args) != len(params):
@@ -107,8 +114,11 @@ class EmulatedModule:
         slots = (ctypes.c_void_p * len(args))()
         for i, ((ctype, pname), arg) in enumerate(zip(params, args)):
             if ctype.endswith("*"):
+                if isinstance(arg, np.uint64) and arg == 0:              # a null pointer, as a RawKernel takes it
+                    arg = None
                 if arg is not None and not isinstance(arg, np.ndarray):
-                    raise TypeError(f"{function}: argument {pname} ({ctype}) must be a NumPy array or None")
+                    raise TypeError(f"{function}: argument {pname} ({ctype}) must be a NumPy array, None or "
+                                    f"numpy.uint64(0)")
                 value = ctypes.c_void_p(None if arg is None else arg.ctypes.data)
             else:
                 value = _SCALARS[ctype](arg)

@@ -52,12 +52,15 @@ VARIANTS: dict[str, list[dict]] = {
     "embedding": [{"T_ACT": "float"}],
     "rotary": [{"T_ACT": "float", "BLOCK": 256}],
     "kv_append": [{"T_ACT": "float"}],
-    "paged_attention": [{"T_ACT": "float"}, {"MAX_HEAD_DIM": 256, "NWARPS": 2},
-                        {"MAX_HEAD_DIM": 64, "MAX_GROUP": 16, "NWARPS": 8}, {"T_ACT": "float", "BLOCK": 256}],
-    "decode_attention": [{"MAX_HEAD_DIM": 256, "NWARPS": 2}, {"MAX_HEAD_DIM": 64, "MAX_GROUP": 16, "NWARPS": 8},
-                         {"T_ACT": "float", "MAX_GROUP": 1}],
-    "decode_attention_quant": [{"KV_BITS": 4}, {"KV_BITS": 4, "MAX_HEAD_DIM": 64, "MAX_GROUP": 16, "NWARPS": 8},
-                               {"KV_BITS": 8, "T_ACT": "float"}],
+    # decode kernels: as backend/cupy_decode.decode_defines emits them (exact HEAD_DIM and GROUP), the edges of
+    # the shared-memory assert, a head dim the 16-byte vectors do not divide evenly among the lanes (80)
+    "paged_attention": [{"T_ACT": "float", "HEAD_DIM": 64, "GROUP": 3}, {"HEAD_DIM": 256, "GROUP": 8},
+                        {"HEAD_DIM": 80, "GROUP": 4, "NWARPS": 8}, {"T_ACT": "float", "BLOCK": 256}],
+    "decode_attention": [{"HEAD_DIM": 256, "GROUP": 8}, {"HEAD_DIM": 64, "GROUP": 3, "NWARPS": 8},
+                         {"T_ACT": "float", "HEAD_DIM": 80, "GROUP": 1}, {"T_ACT": "float", "HEAD_DIM": 128,
+                                                                          "GROUP": 4}],
+    "decode_attention_quant": [{"KV_BITS": 4}, {"KV_BITS": 4, "HEAD_DIM": 64, "GROUP": 8, "NWARPS": 8},
+                               {"KV_BITS": 8, "T_ACT": "float", "HEAD_DIM": 80, "GROUP": 3}],
     "kv_quant": [{"KV_BITS": 4}, {"KV_BITS": 8, "T_ACT": "float", "BLOCK": 256}],
     "prefill_attention": [{"MAX_HEAD_DIM": 256, "ROWS_PER_WARP": 2, "KT": 16}, {"NWARPS": 8, "ROWS_PER_WARP": 2},
                           {"T_ACT": "float", "KT": 8}, {"CAUSAL": 0}],
@@ -289,7 +292,7 @@ ATTENTION_CASES = [
     ("float", 8, 1, 32, [0], [9], [0], {}),                                          # MQA: 2 tokens per block
     ("float", 6, 2, 32, [0, 5, 70, 2], [1, 1, 1, 1], [4, 0, 2, 3], {}),               # decode, length 1 < NWARPS
     ("__half", 9, 3, 64, [0, 50, 7], [1, 1, 1], [2, 1, 0], {"NWARPS": 8}),           # decode, SmolLM2's heads
-    ("__nv_bfloat16", 8, 8, 128, [10, 3], [1, 1], [1, 0], {"MAX_GROUP": 1, "NWARPS": 2}),
+    ("__nv_bfloat16", 8, 8, 128, [10, 3], [1, 1], [1, 0], {"NWARPS": 2}),
 ]
 
 
@@ -314,11 +317,11 @@ def test_emulated_attention(rng, storage, H, Hkv, hd, starts, counts, slots, def
     out = _poison((T, H * hd))
     types = {"T_STORAGE": storage, "T_ACT": "float"}
     if step.is_decode:
-        d = {**types, **defines}
+        d = {**types, "HEAD_DIM": hd, "GROUP": H // Hkv, **defines}
         emulate.build("decode_attention", d).launch(
             "decode_attention", (Hkv, len(slots)), (32, d.get("NWARPS", 4)), qkv, qkv[:, H * hd:],
-            qkv[:, (H + Hkv) * hd:], cache_k, cache_v, slots_, starts_, out, H, Hkv, hd, Lmax, ld, ld, ld, H * hd,
-            scale)
+            qkv[:, (H + Hkv) * hd:], cache_k, cache_v, slots_, starts_, None, None, 0, out, None, None, H, Hkv, hd,
+            Lmax, ld, ld, ld, H * hd, scale)
     else:
         k_rows, v_rows = np.ascontiguousarray(qkv[:, H * hd:]), np.ascontiguousarray(qkv[:, (H + Hkv) * hd:])
         emulate.build("kv_append", {**types, "BLOCK": 64}).launch(

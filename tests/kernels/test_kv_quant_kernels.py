@@ -39,6 +39,10 @@ class EmuOps(EmulatedKernelOps):
     _decode_indices = CupyOps._decode_indices
     _check_cache = staticmethod(CupyOps._check_cache)
 
+    @staticmethod
+    def _f32(a):
+        return a.astype(F32, copy=False)
+
     def _grid(self, work: int, block: int) -> int:
         return max(1, min(-(-work // block), 3))          # few blocks: the grid-stride loops wrap
 
@@ -152,16 +156,20 @@ def test_emulated_dequantize_rows_is_bit_exact(mode, group):
 
 
 DECODE_CASES = [
-    # mode, group, H, Hkv, slots, starts, defines
-    ("int8", 32, 4, 4, [1, 3, 0], [0, 9, 20], {}),                          # MHA, a first token, ragged
-    ("int4", 64, 6, 2, [2, 0], [13, 2], {"NWARPS": 2}),                    # GQA
-    ("int4", 32, 8, 1, [3], [17], {"NWARPS": 8}),                          # MQA, length > NWARPS
+    # mode, group, H, Hkv, slots, starts, chunks, rotary_dim, defines
+    ("int8", 32, 4, 4, [1, 3, 0], [0, 9, 20], 1, 0, {}),                   # MHA, a first token, ragged
+    ("int4", 64, 6, 2, [2, 0], [13, 2], 3, 0, {"NWARPS": 2}),              # GQA, split and combined in one launch
+    ("int4", 32, 8, 1, [3], [17], 5, 32, {"NWARPS": 8}),                   # MQA, rotary fused (half the dims)
+    ("int8", 4, 2, 1, [0, 2], [22, 5], 2, 64, {}),                         # groups of 4: a load spans two
 ]
 
 
-@pytest.mark.parametrize("mode, group, H, Hkv, slots, starts, defines", DECODE_CASES)
+@pytest.mark.parametrize("mode, group, H, Hkv, slots, starts, chunks, rotary_dim, defines", DECODE_CASES)
 @needs_emulator
-def test_emulated_decode_attention_quant(mode, group, H, Hkv, slots, starts, defines):
+def test_emulated_decode_attention_quant(mode, group, H, Hkv, slots, starts, chunks, rotary_dim, defines):
+    """decode_attention_quant (one launch, C chunks combined by the last block; q and k rotated on the fly when
+    rotary_dim > 0) against NumpyOps.rotary then NumpyOps.attention: the output within float32 summation order,
+    the new rows stored bit for bit as quantize_rows stores them, the workspace filled, the counters back to 0."""
     rng = np.random.default_rng(11)
     fmt = kv_format(mode, group, HD)
     step = StepLayout.build(slots, starts, [1] * len(slots))
@@ -172,15 +180,26 @@ def test_emulated_decode_attention_quant(mode, group, H, Hkv, slots, starts, def
     q = qkv[:, :H * HD].reshape(S, H, HD)
     k = qkv[:, H * HD:(H + Hkv) * HD].reshape(S, Hkv, HD)
     v = qkv[:, (H + Hkv) * HD:].reshape(S, Hkv, HD)
+    angles = rng.uniform(0, 2 * np.pi, (S, max(1, rotary_dim // 2)))
+    cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+    if rotary_dim:
+        rot = OPS.rotary(np.concatenate([q, k], axis=1), cos, sin, rotary_dim)
+        q, k = rot[:, :H], rot[:, H:]
     ref_k, ref_v = _copy(cache_k), _copy(cache_v)
     ref = OPS.attention(q, k, v, ref_k, ref_v, step, scale)
     out, status = np.full((S, H * HD), np.nan, F32), np.zeros(1, np.int32)
-    d = {"T_ACT": "float", "KV_BITS": fmt.bits, **defines}
+    part = np.full((S, H, chunks, 2 + HD), np.nan, F32) if chunks > 1 else None
+    counters = np.zeros(S * Hkv, np.int32) if chunks > 1 else None
+    rope = (cos, sin, rotary_dim) if rotary_dim else (None, None, 0)
+    d = {"T_ACT": "float", "KV_BITS": fmt.bits, "HEAD_DIM": HD, "GROUP": H // Hkv, **defines}
     emulate.build("decode_attention_quant", d).launch(
-        "decode_attention_quant", (Hkv, S), (32, d.get("NWARPS", 4)), qkv, qkv[:, H * HD:], qkv[:, (H + Hkv) * HD:],
-        *cache_k.parts(), *cache_v.parts(), np.array(slots, np.int64), np.array(starts, np.int64), out, H, Hkv, HD,
-        fmt.group, LMAX, ld, ld, ld, H * HD, scale, status)
-    assert np.isfinite(out).all()
+        "decode_attention_quant", (Hkv, S, chunks), (32, d.get("NWARPS", 4)), qkv, qkv[:, H * HD:],
+        qkv[:, (H + Hkv) * HD:], *cache_k.parts(), *cache_v.parts(), np.array(slots, np.int64),
+        np.array(starts, np.int64), *rope, out, part, counters, H, Hkv, HD, fmt.group, LMAX, ld, ld, ld, H * HD,
+        scale, status)
+    assert np.isfinite(out).all() and status[0] == 0
+    if chunks > 1:
+        assert not np.isnan(part).any() and not counters.any()
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
     _same_bytes(cache_k, ref_k)
     _same_bytes(cache_v, ref_v)
