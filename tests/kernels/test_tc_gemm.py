@@ -274,3 +274,48 @@ def test_tc_gemm_writes_nothing_past_its_token_bucket(rng):
     W = rng.standard_normal((32, 64)).astype(np.float16)
     y = run_tc_gemm(rng.standard_normal((9, 64)).astype(F32), W, {"T_STORAGE": "__half", "MAX_TOKENS": 8})
     assert np.isnan(y).all()
+
+
+# ---- tc_quant_gemm: int8 / int4 weights dequantized in registers ---------------------------------------------
+def run_tc_quant_gemm(x, qt, defines, splits=1, bias=None):
+    """Launch tc_quant_gemm (+ reduce) on the emulator on the quant layout of `qt` -> y [T, out] float32."""
+    from hpcinfer.kernels.layout import quant_pack
+
+    qp, scale, minimum = quant_pack(qt.q, qt.scale, qt.min)
+    groups = scale.shape[0]
+    fmt = {"QBITS": qt.bits, "QSIGNED": int(qp.dtype == np.int8), "HAS_MIN": int(qt.min is not None),
+           "GROUP": 0 if groups == 1 else qt.group_size}
+    d = {"T_STORAGE": "__half", "T_ACT": "float", "HAS_BIAS": int(bias is not None), **fmt, **defines}
+    (T, n_in), out = x.shape, qt.shape[0]
+    cols = 16 * d.get("WARPS", 4) * d.get("MT", 1)
+    y, partial = _poison((T, out)), _poison((splits, T, out))
+    module = emulate.build("tc_quant_gemm", d)
+    module.launch("tc_quant_gemm", (-(-out // cols), splits), (32, d.get("WARPS", 4)), x, None, None, 0.0,
+                  np.ascontiguousarray(qp.view(np.uint8)), scale, minimum if minimum is not None else scale, bias,
+                  y, y, partial, T, n_in, out, n_in, out, out)
+    if splits > 1:
+        module.launch("tc_quant_gemm_reduce", (-(-T * out // 256),), (256,), partial, bias, y, y, T, out, splits,
+                      out, out)
+    return y
+
+
+# (mode, group, T, n_in, out, defines, splits): per-channel int8, int4 in groups of 32 / 64, asym8, row and input
+# tails, split-K.
+QUANT_CASES = [
+    ("int8", 0, 5, 192, 48, {"WARPS": 2}, 1),
+    ("int4", 64, 12, 256, 40, {"MAX_TOKENS": 16, "WARPS": 2, "STAGES": 3}, 2),
+    ("int4", 32, 3, 224, 33, {"WARPS": 1}, 3),     # 7 vectors a row: the last stage's second one zero-filled
+    ("asym8", 32, 33, 128, 64, {"MAX_TOKENS": 64, "WARPS": 2, "XK": 64, "STAGES": 2}, 1),
+]
+
+
+@pytest.mark.parametrize("mode, group, T, n_in, out, defines, splits", QUANT_CASES)
+def test_tc_quant_gemm_matches_numpy(rng, mode, group, T, n_in, out, defines, splits):
+    from hpcinfer.quant.formats import quantize
+
+    qt = quantize((rng.standard_normal((out, n_in)) / np.sqrt(n_in)).astype(F32), mode, group or 64)
+    x = rng.standard_normal((T, n_in)).astype(F32)
+    bias = rng.standard_normal(out).astype(F32)
+    y = run_tc_quant_gemm(x, qt, defines, splits, bias)
+    # the dequantized weight is rounded to float16 for the mma (11 significant bits): within 2^-11 of each weight
+    _close(y, OPS.linear_q(x, qt, bias), 2e-3)
