@@ -146,6 +146,40 @@ __device__ __forceinline__ void tc_mma_tiles(float (&acc)[NRT][NT][4], const uns
     }
 }
 
+// acc[i][j] += A_i B_j over the one k-step at chunk kc of the staged x tile (ldmatrix x2: chunks kc, kc + 1), and,
+// with XSum, xsum[j] += ones B_j: every row of it the sum of token t's x over the k-step (tc_quant_gemm's minimums).
+template <bool XSum>
+__device__ __forceinline__ void tc_mma_step(float (&acc)[NRT][NT][4], const unsigned (&a)[NRT][4], const XTile& xs,
+                                            int T, int kc, float (&xsum)[NT][4]) {
+    const int lane = threadIdx.x;
+    const unsigned one = tc_pack2(from_float<mma_t>(1.0f), from_float<mma_t>(1.0f));
+    const unsigned ones[4] = {one, one, one, one};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        if (8 * j >= T) break;   // warp-uniform: idle n-tiles
+        const int off = tc_swizzle(8 * j + lane % 8, kc + (lane / 8) % 2, XK / 8);
+        unsigned bh[2];
+        tc_ldmatrix_x2(bh, xs.hi + off);
+#if XSPLIT
+        unsigned bl[2];
+        tc_ldmatrix_x2(bl, xs.lo + off);
+#endif
+#pragma unroll
+        for (int i = 0; i < NRT; ++i) {
+            tc_mma(acc[i][j], a[i], bh, mma_t());
+#if XSPLIT
+            tc_mma(acc[i][j], a[i], bl, mma_t());
+#endif
+        }
+        if constexpr (XSum) {
+            tc_mma(xsum[j], ones, bh, mma_t());
+#if XSPLIT
+            tc_mma(xsum[j], ones, bl, mma_t());
+#endif
+        }
+    }
+}
+
 // The warp's sums out: raw into partial[blockIdx.y] when the input is split (grid.y > 1), else through the epilogue
 // into y. acc[i][j][r]: m-tile i row g + 8 (r / 2), token 8 j + 2 q + r % 2 (tc_mma.cuh's C layout).
 __device__ __forceinline__ void tc_store(const float (&acc)[NRT][NT][4], int c0, int T, int out, const float* bias,

@@ -5,10 +5,12 @@
 // epilogue): tc_core.cuh; the weights differ from tc_gemm.cu only in how the A fragments are made:
 //   each warp streams its NRT x 16 rows' bytes through STAGES shared-memory stages of KS = 64 input elements (64
 //   bytes a row at 8 bits, 32 at 4) with cp.async.cg (consecutive rows of one 16-byte vector column are contiguous
-//   in the quant layout: 16 lanes read 256 contiguous bytes); for each k-step of 16 elements a lane decodes the four
-//   element pairs of the mma's A layout for rows g and g + 8 (quant_core.cuh's rule: scale[group, row] q (+ min),
-//   float32) and rounds them to T_STORAGE (the mma type: __half keeps 11 significant bits of the dequantized weight,
-//   __nv_bfloat16 8). 4-bit: byte j of a vector holds elements 2 j (low nibble) and 2 j + 1, so a pair is one byte.
+//   in the quant layout: 16 lanes read 256 contiguous bytes); for each k-step of 16 elements a lane converts the four
+//   element pairs of the mma's A layout for rows g and g + 8 to the mma type as integers (exact: |q| <= 255), so the
+//   mma sums q x exactly per product in float32 per group; at each group's end (quant_core.cuh's rule
+//   W = scale[group, row] q (+ min[group, row])) the lane adds scale * sum(q x) (+ min * sum(x), the sum of x from one
+//   more mma with an all-ones A) to its float32 result. No weight is rounded: the result is NumpyOps.linear_q's to
+//   float32 rounding. 4-bit: byte j of a vector holds elements 2 j (low nibble) and 2 j + 1, so a pair is one byte.
 //
 // kernel tc_quant_gemm(const act_t* x, const float* gamma, const float* beta, float eps, const unsigned char* q,
 //                      const float* scale, const float* mn, const float* bias, const act_t* residual, act_t* y,
@@ -18,7 +20,7 @@
 // kernel tc_quant_gemm_reduce: as tc_gemm_reduce, for SPLITS > 1.
 //
 // Defines: QBITS, QSIGNED, HAS_MIN, GROUP (quant_core.cuh; GROUP a multiple of 16 at 8 bits, 32 at 4 bits); T_STORAGE
-// (the mma type, __half or __nv_bfloat16) and the defines of tc_gemm.cu.
+// (the mma type, __half or __nv_bfloat16: __half keeps more of x with XSPLIT) and the defines of tc_gemm.cu.
 #include "quant_core.cuh"
 #include "tc_core.cuh"
 
@@ -46,47 +48,63 @@ __device__ __forceinline__ void tc_load_q_stage(unsigned char* stage, const unsi
     tc_cp_async_commit();
 }
 
-// Two consecutive elements (e, e + 1; e even) of a row's stage, dequantized, packed as an mma operand register.
-__device__ __forceinline__ unsigned tc_dequant_pair(const unsigned char* row, int e, float s, float mn) {
-    float w0, w1;
+// Two consecutive quantized values (elements e, e + 1; e even) of a row's stage, as integers in the mma type (exact:
+// |q| <= 255 needs 8 significant bits), packed as an mma operand register.
+__device__ __forceinline__ unsigned tc_q_pair(const unsigned char* row, int e) {
+    float q0, q1;
 #if QBITS == 8
-    const unsigned char b0 = row[e], b1 = row[e + 1];
 #if QSIGNED
-    w0 = (float)(signed char)b0;
-    w1 = (float)(signed char)b1;
+    q0 = (float)(signed char)row[e];
+    q1 = (float)(signed char)row[e + 1];
 #else
-    w0 = (float)b0;
-    w1 = (float)b1;
+    q0 = (float)row[e];
+    q1 = (float)row[e + 1];
 #endif
 #else
     const unsigned char b = row[e / 2];
-    w0 = (float)(b & 0x0F);
-    w1 = (float)(b >> 4);
+    q0 = (float)(b & 0x0F);
+    q1 = (float)(b >> 4);
 #endif
-    w0 = HAS_MIN ? s * w0 + mn : s * w0;
-    w1 = HAS_MIN ? s * w1 + mn : s * w1;
-    return tc_pack2(from_float<mma_t>(w0), from_float<mma_t>(w1));
+    return tc_pack2(from_float<mma_t>(q0), from_float<mma_t>(q1));
 }
 
-// A fragment of m-tile i for the k-step of stage elements 16 s .. 16 s + 15 (input element k = its first). A k-step
-// past the row (the zero-filled end of the last stage) reads the last group's parameters: its x is zero, and a finite
-// weight times zero adds nothing (the parameters past G would be another array's bytes, possibly NaN).
-__device__ __forceinline__ void tc_dequant_a(unsigned (&a)[4], const unsigned char* stage, int i, int s, int k,
-                                             int in, int c0, int ncols, int out, const float* scale,
-                                             const float* mn) {
+// The A fragment of m-tile i for the k-step of stage elements 16 s .. 16 s + 15: the raw q values.
+__device__ __forceinline__ void tc_q_fragment(unsigned (&a)[4], const unsigned char* stage, int i, int s) {
     const int lane = threadIdx.x, g = lane / 4, qd = lane % 4;
-    const int grp = GROUP == 0 ? 0 : min(k, in - 1) / (GROUP == 0 ? 1 : GROUP);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {                      // rows g (a0, a2) and g + 8 (a1, a3)
-        const int r = 16 * i + g + 8 * h;
-        const int col = min(c0 + 16 * (i % MT) + g + 8 * h, ncols - 1);
-        const long long wrow = (i < MT ? 0 : ncols) + (long long)col;
-        const float sc = __ldg(scale + (long long)grp * out + wrow);
-        const float m = HAS_MIN ? __ldg(mn + (long long)grp * out + wrow) : 0.0f;
-        const unsigned char* row = stage + r * QCH * 16;
-        a[h] = tc_dequant_pair(row, 16 * s + 2 * qd, sc, m);
-        a[2 + h] = tc_dequant_pair(row, 16 * s + 2 * qd + 8, sc, m);
+        const unsigned char* row = stage + (16 * i + g + 8 * h) * QCH * 16;
+        a[h] = tc_q_pair(row, 16 * s + 2 * qd);
+        a[2 + h] = tc_q_pair(row, 16 * s + 2 * qd + 8);
     }
+}
+
+// End of group `grp`: acc += scale[grp, row] * sum q x (+ min[grp, row] * sum x) for each of the lane's rows, and
+// the group's sums restart from zero.
+__device__ __forceinline__ void tc_flush_group(float (&acc)[NRT][NT][4], float (&qx)[NRT][NT][4],
+                                               float (&xsum)[NT][4], int grp, int c0, int ncols, int out,
+                                               const float* scale, const float* mn) {
+    const int g = threadIdx.x / 4;
+#pragma unroll
+    for (int i = 0; i < NRT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                  // rows g (registers 0, 1) and g + 8 (2, 3)
+            const int col = min(c0 + 16 * (i % MT) + g + 8 * h, ncols - 1);
+            const long long at = (long long)grp * out + (i < MT ? 0 : ncols) + col;
+            const float sc = __ldg(scale + at);
+            const float m = HAS_MIN ? __ldg(mn + at) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int r = 2 * h; r < 2 * h + 2; ++r) {
+                    acc[i][j][r] += HAS_MIN ? sc * qx[i][j][r] + m * xsum[j][r] : sc * qx[i][j][r];
+                    qx[i][j][r] = 0.0f;
+                }
+        }
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) xsum[j][r] = 0.0f;
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -113,7 +131,9 @@ tc_quant_gemm(const act_t* x, const float* gamma, const float* beta, float eps, 
         tc_load_q_stage(ws[warp][s], q, c0, ncols, out, kv_begin + s * QCH, kv_end, s < stages);
     tc_norm_stats(x, T, in, ldx, eps, mean_s, rstd_s);
 
-    float acc[NRT][NT][4] = {};
+    float acc[NRT][NT][4] = {};   // scaled sums
+    float qx[NRT][NT][4] = {};    // the current group's sum of q x (exact integer products)
+    float xsum[NT][4] = {};       // ... and of x (HAS_MIN)
     for (int st = 0; st < stages; ++st) {
         const int k0 = k_begin + st * KS, xoff = (st * KS) % XK;
         if (xoff == 0) {
@@ -127,15 +147,16 @@ tc_quant_gemm(const act_t* x, const float* gamma, const float* beta, float eps, 
         tc_load_q_stage(ws[warp][next % STAGES], q, c0, ncols, out, kv_begin + next * QCH, kv_end, next < stages);
         const unsigned char* stage = ws[warp][st % STAGES];
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            unsigned a[NRT][2][4];
+        for (int s = 0; s < 4; ++s) {                  // the stage's k-steps of 16 elements, k = k0 + 16 s
+            const int k = k0 + 16 * s;
+            if (k >= k_end) break;                     // block-uniform
+            unsigned a[NRT][4];
 #pragma unroll
-            for (int i = 0; i < NRT; ++i)
-#pragma unroll
-                for (int s = 0; s < 2; ++s)
-                    tc_dequant_a(a[i][s], stage, i, 2 * p + s, k0 + 16 * (2 * p + s), in, c0, ncols, out, scale,
-                                 mn);
-            tc_mma_tiles(acc, a, xs, T, xoff / 8 + 4 * p);
+            for (int i = 0; i < NRT; ++i) tc_q_fragment(a[i], stage, i, s);
+            tc_mma_step<HAS_MIN>(qx, a, xs, T, xoff / 8 + 2 * s, xsum);
+            if (k + 16 >= k_end || (GROUP != 0 && (k + 16) % (GROUP == 0 ? 1 : GROUP) == 0))
+                tc_flush_group(acc, qx, xsum, GROUP == 0 ? 0 : k / (GROUP == 0 ? 1 : GROUP), c0, ncols, out, scale,
+                               mn);
         }
     }
     tc_cp_async_wait<0>();

@@ -194,3 +194,24 @@ def test_decode_steps_of_33_float16_sequences_are_captured(emu_cupy):
     assert got == want
     assert times.graph_eager_steps == 0
     assert (times.graph_captures, times.graph_replays) == (1, new_tokens - 1)
+
+
+@pytest.mark.parametrize("mode, group", [("int8", 64), ("int4", 32)])
+@needs_emulator
+def test_linear_q_routes_2_to_64_tokens_to_tensor_cores(emu_cupy, monkeypatch, mode, group):
+    from hpcinfer.backend.cupy_ops import CupyOps
+    from hpcinfer.quant.formats import quantize
+
+    ops = CupyOps(device=0)
+    kernels, real = [], ops._kernel
+    monkeypatch.setattr(ops, "_kernel", lambda name, fn, **d: (kernels.append(fn), real(name, fn, **d))[1])
+    rng = np.random.default_rng(9)
+    qt = quantize((rng.standard_normal((40, 128)) / 11).astype(F32), mode, group)
+    dq = ops.prepare_quantized(qt)
+    bias = rng.standard_normal(40).astype(F32)
+    for T, first in ((1, "quant_gemv"), (6, "tc_quant_gemm"), (65, "quant_dequant")):
+        kernels.clear()
+        x = rng.standard_normal((T, 128)).astype(F32)
+        got = ops.to_host(ops.linear_q(ops.asarray(x), dq, ops.asarray(bias)))
+        np.testing.assert_allclose(got, OPS.linear_q(x, qt, bias), rtol=1e-5, atol=1e-5)   # no weight rounded
+        assert kernels[0] == first
