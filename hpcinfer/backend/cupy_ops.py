@@ -16,8 +16,8 @@ This module holds CupyOps itself (memory, dense math, norms, activations, MoE ga
 `_kernel`, `_rows`, `_grid`) and its elementwise kernels. Longer op bodies live beside it as functions of the ops,
 which the methods call: attention over a float KV cache and encoder attention in cupy_attention.py, a quantized
 KV cache and top-k decode in cupy_kv.py, quantized weights in cupy_quant.py, SBI-GeMM and the Deep-Fusion
-linears in cupy_sbi.py, the tensor-core small-batch GEMM in cupy_tc_gemm.py, MoE routing in cupy_moe.py. CUDA graphs of decode steps (DeviceStep, DecodeGraph) are in
-cupy_graphs.py.
+linears in cupy_sbi.py, the tensor-core small-batch GEMM in cupy_tc_gemm.py, MoE routing in cupy_moe.py. CUDA
+graphs of decode steps (DeviceStep, DecodeGraph) are in cupy_graphs.py.
 
 Routing tables (`route`) stay on the device (backend/cupy_moe.py); only the [E] per-expert counts come to the host.
 `permute`, `unpermute` and `scatter_add_rows` accept host or device index arrays.
