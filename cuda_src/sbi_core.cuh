@@ -47,7 +47,7 @@
 // ensure x is 16-byte aligned and ldx * sizeof(act_t) is a multiple of 16 (a multiple of 8 suffices when
 // VEC * sizeof(act_t) is 8); X_VEC=0 reads element-wise (any alignment, any in).
 #pragma once
-#include "common.cuh"
+#include "gemm_epilogue.cuh"
 
 #ifndef WARPS
 #define WARPS 4
@@ -61,18 +61,6 @@
 #ifndef UNROLL
 #define UNROLL 4
 #endif
-#ifndef ACT
-#define ACT ACT_NONE
-#endif
-#ifndef HAS_BIAS
-#define HAS_BIAS 0
-#endif
-#ifndef HAS_RESIDUAL
-#define HAS_RESIDUAL 0
-#endif
-#ifndef GATED
-#define GATED 0
-#endif
 #ifndef X_VEC
 #define X_VEC 1
 #endif
@@ -85,10 +73,6 @@
 #ifndef RW
 #define RW 1       // TILING=1: output columns (weight rows; GATED: gate and up rows) per warp
 #endif
-
-#define NORM_NONE 0
-#define NORM_RMS 1
-#define NORM_LAYER 2
 
 #define VEC (16 / (int)sizeof(storage_t))   // input elements per 16-byte weight vector
 #define TILE (32 * ROWS)                     // TILING=0: output columns per block
@@ -106,35 +90,12 @@
 
 static_assert(WARPS >= 1 && WARPS <= 32, "WARPS must be 1 .. 32");
 static_assert(MAX_TOKENS >= 1 && MAX_TOKENS <= 32, "MAX_TOKENS must be 1 .. 32");
-static_assert(!GATED || ACT != ACT_NONE, "GATED needs an activation");
 #if TILING
 static_assert(W_ROWMAJOR, "the row tiling reads W [out, in] as stored: TILING=1 needs W_ROWMAJOR=1");
 static_assert(RW >= 1 && UNROLL >= 1, "RW and UNROLL must be at least 1");
 static_assert(X_TILE % XS_UNIT == 0, "X_TILE must be a whole number of batches (32 * UNROLL * VEC elements)");
 static_assert(MAX_TOKENS * X_TILE * 4 <= 40 * 1024, "the staged x tile exceeds 40 KiB of shared memory");
 #endif
-
-// act(g + bias) (* (u + bias_up)) (+ residual), float32 in and out.
-__device__ __forceinline__ float sbi_epilogue(int c, int t, float g, float u, int ncols, const float* bias,
-                                              const act_t* residual, long long ldr) {
-    float v = g;
-#if HAS_BIAS
-    v += bias[c];
-#endif
-#if GATED
-    float up = u;
-#if HAS_BIAS
-    up += bias[ncols + c];
-#endif
-    v = activate<ACT>(v) * up;
-#else
-    v = activate<ACT>(v);
-#endif
-#if HAS_RESIDUAL
-    v += to_float(residual[(long long)t * ldr + c]);
-#endif
-    return v;
-}
 
 // The block's sums of output column c for token t (u: the up row's, GATED): raw into partial[blockIdx.y, t] when
 // the input is split (grid.y > 1: the *_reduce kernel finishes), else through the epilogue into y.
@@ -148,26 +109,6 @@ __device__ __forceinline__ void sbi_store(int c, int t, float g, float u, int T,
         if (GATED) p[ncols + c] = u;
     } else {
         y[(long long)t * ldy + c] = from_float<act_t>(sbi_epilogue(c, t, g, u, ncols, bias, residual, ldr));
-    }
-}
-
-// Per-token normalization of the GEMV input (Deep-Fusion regions 1 and 3): every block recomputes the statistics
-// of all T rows (the paper's "broadcast the input batch across the SMs") and normalizes x as it reads it.
-struct NormArgs {
-    const float* gamma;   // [in] norm weight
-    const float* beta;    // [in] norm bias (NORM_LAYER with NORM_BIAS only)
-    float eps;
-};
-
-// x[t, k] normalized: x rstd gamma[k] (RMSNorm), (x - mean) rstd gamma[k] (+ beta[k]) (LayerNorm).
-template <int NormKind, bool NormBias>
-__device__ __forceinline__ float sbi_norm_value(float x, int k, float mean, float rstd, const NormArgs& na) {
-    if constexpr (NormKind == NORM_RMS) {
-        return x * rstd * na.gamma[k];
-    } else {
-        float v = (x - mean) * rstd * na.gamma[k];
-        if constexpr (NormBias) v += na.beta[k];
-        return v;
     }
 }
 
@@ -330,39 +271,6 @@ __device__ __forceinline__ void sbi_body_cols(const act_t* x, const storage_t* w
 // two halves). A lane reading half h of its vector reads slot h * XS_TILE_V + lane: a warp's load is 512 contiguous
 // bytes, free of bank conflicts (32-byte vectors side by side would make every 16-byte load a two-way conflict).
 __device__ __forceinline__ int sbi_xs_slot(int q) { return ((4 * q) % VEC / 4) * XS_TILE_V + 4 * q / VEC; }
-
-// The warp's sum of f(get(q)) over q < quads (get(q): a float4 of the row), 4 loads in flight per lane.
-template <typename Get, typename F>
-__device__ __forceinline__ float sbi_warp_row_sum(int quads, Get get, F f) {
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int q0 = threadIdx.x; q0 < quads; q0 += 128) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            if (q0 + 32 * j < quads) s[j] += f(get(q0 + 32 * j));
-    }
-    return warp_sum((s[0] + s[1]) + (s[2] + s[3]));
-}
-
-// Row statistics of the first T rows (mean_s, rstd_s; mean 0 for RMSNorm), one warp per row (two passes for
-// LayerNorm, as NumpyOps.layer_norm): get(t, q) is x[t, 4 q .. 4 q + 3] (in % 4 == 0: the row-major read has
-// in % VEC == 0).
-template <int NormKind, typename Get>
-__device__ __forceinline__ void sbi_row_stats(int T, int in, float eps, Get get, float* mean_s, float* rstd_s) {
-    for (int t = threadIdx.y; t < T; t += WARPS) {
-        const auto row = [&](int q) { return get(t, q); };
-        float mean = 0.0f;
-        if constexpr (NormKind == NORM_LAYER)
-            mean = sbi_warp_row_sum(in / 4, row, [](float4 v) { return (v.x + v.y) + (v.z + v.w); }) / (float)in;
-        const float var = sbi_warp_row_sum(in / 4, row, [&](float4 v) {   // mean of squares for RMSNorm (mean 0)
-            const float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
-            return (a * a + b * b) + (c * c + d * d);
-        }) / (float)in;
-        if (threadIdx.x == 0) {
-            mean_s[t] = mean;
-            rstd_s[t] = 1.0f / sqrtf(var + eps);
-        }
-    }
-}
 
 // Four elements x[t, k .. k + 3] as float (X_VEC=1: one 16-byte, or 8-byte, load; k is a multiple of 4).
 __device__ __forceinline__ float4 sbi_load_x4(const act_t* p) {
@@ -555,20 +463,3 @@ __device__ __forceinline__ void sbi_body(const act_t* x, const storage_t* w, con
 #endif
 }
 
-// Second reduction for SPLITS > 1: y[t, c] = epilogue(sum over s of partial[s, t, c]) (summed in split order).
-// Launch: grid (ceil(T * ncols / 256)), block (256).
-__device__ __forceinline__ void sbi_reduce_body(const float* partial, const float* bias, const act_t* residual,
-                                                act_t* y, int T, int out, int splits, long long ldr, long long ldy) {
-    const int ncols = GATED ? out / 2 : out;
-    const long long n = (long long)T * ncols;
-    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= n) return;
-    const int t = (int)(e / ncols), c = (int)(e % ncols);
-    float g = 0.0f, u = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float* p = partial + ((long long)s * T + t) * out;
-        g += p[c];
-        if (GATED) u += p[ncols + c];
-    }
-    y[(long long)t * ldy + c] = from_float<act_t>(sbi_epilogue(c, t, g, u, ncols, bias, residual, ldr));
-}

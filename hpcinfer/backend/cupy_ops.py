@@ -16,8 +16,8 @@ This module holds CupyOps itself (memory, dense math, norms, activations, MoE ga
 `_kernel`, `_rows`, `_grid`) and its elementwise kernels. Longer op bodies live beside it as functions of the ops,
 which the methods call: attention over a float KV cache and encoder attention in cupy_attention.py, a quantized
 KV cache and top-k decode in cupy_kv.py, quantized weights in cupy_quant.py, SBI-GeMM and the Deep-Fusion
-linears in cupy_sbi.py, MoE routing in cupy_moe.py. CUDA graphs of decode steps (DeviceStep, DecodeGraph) are in
-cupy_graphs.py.
+linears in cupy_sbi.py, the tensor-core small-batch GEMM in cupy_tc_gemm.py, MoE routing in cupy_moe.py. CUDA
+graphs of decode steps (DeviceStep, DecodeGraph) are in cupy_graphs.py.
 
 Routing tables (`route`) stay on the device (backend/cupy_moe.py); only the [E] per-expert counts come to the host.
 `permute`, `unpermute` and `scatter_add_rows` accept host or device index arrays.
@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..kernels.loader import kernel
-from . import cupy_attention, cupy_moe, cupy_paged, cupy_quant, cupy_sbi, moe_ops
+from . import cupy_attention, cupy_moe, cupy_paged, cupy_quant, cupy_sbi, cupy_tc_gemm, moe_ops
 from .cupy_dtypes import BF16_BITS, KV_DTYPES, c_type as _c_type, is_bf16
 from .cupy_transfer import StreamCopies
 from .interface import StepLayout, unfused_linear
@@ -162,10 +162,11 @@ class CupyOps:
 
     # ---- dense math --------------------------------------------------------------------------------------------
     def linear(self, x, w, bias=None):
-        """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out] float32. Kernel: sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS,
-        reading w [out, in] as stored (backend/cupy_sbi.py says why not a re-laid copy); else cuBLAS, with
-        half-precision weights widened per call, as NumpyOps does."""
-        y = cupy_sbi.fused_linear(self, x, w, bias)
+        """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out] float32, reading w [out, in] as stored
+        (backend/cupy_sbi.py says why not a re-laid copy). Kernels: tc_gemm.cu (tensor cores) for 2 .. 64 tokens
+        with 16-bit weights, sbi_gemv.cu for 1 token (and float32 weights up to cupy_sbi.SBI_MAX_TOKENS); else
+        cuBLAS, with half-precision weights widened per call, as NumpyOps does."""
+        y = self._small_batch_linear(x, w, bias)
         if y is not None:
             return y
         y = self.matmul(self._f32(x), self._f32(w).T)
@@ -175,16 +176,25 @@ class CupyOps:
 
     def expert_linear(self, x, w, bias=None):
         """linear, for an expert's routed rows (parallel/experts.ExpertStack: a few rows per expert at decode, 2 GEMMs
-        per expert per MoE layer): the one place where the expert GEMMs pick their kernel. Today linear's
-        (sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS, else cuBLAS); issue 29's small-batch tensor-core GEMM
-        switches in here, and the MoE scenario (gpu/scenarios.py moe) times the experts through it."""
+        per expert per MoE layer): the one place where the expert GEMMs pick their kernel. Today linear's (tc_gemm.cu
+        for 2 .. 64 rows with 16-bit weights, sbi_gemv.cu for 1, else cuBLAS); the MoE scenario (gpu/scenarios.py
+        moe) times the experts through it."""
         return self.linear(x, w, bias)
 
     def fused_linear(self, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
         """act(norm(x) @ w.T + bias) (+ residual), the Deep-Fusion regions 1, 3 and 4 (NumpyOps.fused_linear).
-        Kernel: fused_norm_gemv.cu / sbi_gemv.cu for T <= cupy_sbi.SBI_MAX_TOKENS; else the ops in sequence."""
-        y = cupy_sbi.fused_linear(self, x, w, bias, norm, act, gated, residual)
+        Kernels: tc_gemm.cu for 2 .. 64 tokens with 16-bit weights, fused_norm_gemv.cu / sbi_gemv.cu for 1 token
+        (and float32 weights up to cupy_sbi.SBI_MAX_TOKENS); else the ops in sequence."""
+        y = self._small_batch_linear(x, w, bias, norm, act, gated, residual)
         return y if y is not None else unfused_linear(self, x, w, bias, norm, act, gated, residual)
+
+    def _small_batch_linear(self, x, w, bias=None, norm=None, act=None, gated=False, residual=None):
+        """The small-batch kernels in order of preference (backend/cupy_tc_gemm.py says which takes what), or None
+        (cuBLAS, or the ops in sequence)."""
+        y = cupy_tc_gemm.fused_linear(self, x, w, bias, norm, act, gated, residual)
+        if y is None:
+            y = cupy_sbi.fused_linear(self, x, w, bias, norm, act, gated, residual)
+        return y
 
     def prepare_quantized(self, qt):
         """A QuantizedTensor -> its device form (backend/cupy_quant.py: re-laid once for the kernels), for

@@ -4,7 +4,10 @@ A QuantizedTensor (quant/formats.py) reaches the device once, through `to_device
 by the sharded layers at load), as a DeviceQuantizedTensor: its bytes re-laid in the quant layout that the kernels
 read coalesced (kernels/layout.py quant_pack, cuda_src/quant_core.cuh), scales and minimums transposed to [G, out].
 Then
-- linear_q, T <= GEMV_MAX_TOKENS: cuda_src/quant_gemv.cu reads the int8 / int4 bytes and dequantizes in registers;
+- linear_q, 2 <= T <= 64: cuda_src/tc_quant_gemm.cu (tensor cores, backend/cupy_tc_gemm.py) reads the bytes and
+  dequantizes in registers;
+- linear_q, T = 1 (and formats tc_quant_gemm does not read, up to GEMV_MAX_TOKENS): cuda_src/quant_gemv.cu reads
+  the int8 / int4 bytes and dequantizes in registers;
 - linear_q, larger T: cuda_src/quant_dequant.cu dequantizes `tile_rows` output rows at a time into one reused
   float32 tile, multiplied by cuBLAS right away (never the whole weight in float, as NumpyOps.linear_q);
 - embedding_q: quant_dequant gathers only the ids' rows.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels.layout import quant_pack
+from . import cupy_tc_gemm
 
 F32 = np.float32
 GEMV_MAX_TOKENS = 16                      # linear_q: tokens up to which quant_gemv runs (its MAX_TOKENS buckets)
@@ -98,11 +102,10 @@ def linear_q(ops, x, qt, bias=None):
     T = x.shape[0]
     if T == 0:
         return cp.zeros((0, out), dtype=F32)
-    if T <= GEMV_MAX_TOKENS:
+    y = tensor_core_linear(ops, x, dq, bias)
+    if y is None and T <= GEMV_MAX_TOKENS:
         y = gemv(ops, x, dq, bias)
-        if y is not None:
-            return y
-    return tiled_linear(ops, x, dq, bias)
+    return y if y is not None else tiled_linear(ops, x, dq, bias)
 
 
 def embedding_q(ops, qt, ids):
@@ -148,6 +151,20 @@ def gemv(ops, x, dq: DeviceQuantizedTensor, bias, splits: int | None = None):
         reduce((-(-T * out // 256),), (256,),
                (partial, unused if bias is None else bias, y, _i32(T), _i32(out), _i32(splits), _i64(out)))
     return y
+
+
+def tensor_core_linear(ops, x, dq: DeviceQuantizedTensor, bias, *, tile=None, splits=None):
+    """tc_quant_gemm (backend/cupy_tc_gemm.py) for 2 <= T <= 64 -> y [T, O] float32, or None where it does not apply
+    (kernels off, T outside 2 .. 64, a format the kernels do not read, in % 16). The mma multiplies the integer q
+    exactly; scales and minimums are applied per group in float32."""
+    defines = dq.defines()
+    if not ops.kernels or defines is None or cupy_tc_gemm.token_bucket(x.shape[0]) is None:
+        return None
+    if bias is not None and not (bias.dtype == F32 and bias.shape == (dq.shape[0],)):
+        return None
+    weights = (dq.q, dq.scale, dq.scale if dq.min is None else dq.min)
+    return cupy_tc_gemm.launch(ops, x, None, "__half", dq.shape, bias, None, None, False, None,
+                               name="tc_quant_gemm", extra=defines, weight_args=weights, tile=tile, splits=splits)
 
 
 def tiled_linear(ops, x, dq: DeviceQuantizedTensor, bias, tile_rows: int | None = None):

@@ -48,6 +48,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "sbi_gemv": ("sbi_gemv", "sbi_gemv_reduce"),
     "fused_norm_gemv": ("fused_norm_gemv", "fused_norm_gemv_reduce"),
     "quant_gemv": ("quant_gemv", "quant_gemv_reduce"),
+    "tc_gemm": ("tc_gemm", "tc_gemm_reduce"),
+    "tc_quant_gemm": ("tc_quant_gemm", "tc_quant_gemm_reduce"),
     "quant_dequant": ("quant_dequant",),
     "moe_gating": ("moe_topk_gating", "moe_route", "moe_gate_dispatch", "moe_permute", "moe_unpermute"),
 }

@@ -91,8 +91,13 @@ inline void leave(Barrier& b) {
     }
 }
 
+inline void cp_async_flush();   // tensor-core section below
+inline void tc_reset(int threads);
+inline bool faulted();
+
 inline void fiber_main() {
     (*g_fn)();
+    cp_async_flush();
     Fiber& f = g_fibers[g_cur];
     leave(g_warp_barriers[f.linear / 32]);
     leave(g_block_barrier);
@@ -117,7 +122,7 @@ inline T shfl(T v, int src) {
 
 inline std::vector<unsigned> block_order(unsigned count);   // below: the order of a launch's blocks
 
-// 0: done; 1: block size not a multiple of 32; 2: deadlock (divergent barrier) in a block.
+// 0: done; 1: block size not a multiple of 32; 2: deadlock (divergent barrier) in a block; 3: a fault (emu_fault()).
 inline int launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
     g_grid = grid;
     g_blockdim = block;
@@ -134,6 +139,7 @@ inline int launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
         g_block_barrier = Barrier{0, n, 0};
         g_warp_barriers.assign(n / 32, Barrier{0, 32, 0});
         g_slots.assign(n, 0);
+        tc_reset(n);
         for (int i = 0; i < n; ++i) {
             Fiber& f = g_fibers[i];
             f.linear = i;
@@ -161,6 +167,7 @@ inline int launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
                 }
                 if (g_fibers[i].done) --remaining;
             }
+            if (faulted()) return 3;
             if (remaining > 0 && g_progress == before) {
                 std::fprintf(stderr, "emu: deadlock in block (%u, %u, %u): every live thread waits at a "
                              "barrier that cannot complete (divergent __syncthreads or shuffle)\n", bx, by, bz);
@@ -226,3 +233,165 @@ inline std::vector<unsigned> block_order(unsigned count) {
 }
 }  // namespace emu
 extern "C" __attribute__((visibility("default"))) void emu_set_block_order(unsigned seed) { emu::g_block_seed = seed; }
+
+// ---- tensor cores and asynchronous copies (cuda_src/tc_mma.cuh takes these under HPCINFER_EMU) -----------------
+// mma.sync.m16n8k16 (f16 / bf16 in, float32 accumulate), ldmatrix .m8n8 .x1/.x2/.x4 (.trans) and cp.async with
+// commit_group / wait_group, on the fragment layouts of the PTX ISA (listed in cuda_src/tc_mma.cuh). The warp-wide
+// ones exchange their operands through a per-warp area between two warp barriers, as a shuffle does, so a lane
+// that does not reach them is a deadlock. The mma's products are exact in float32 (11- or 8-bit significands) and
+// summed in k order onto C: the hardware's order differs, so tests compare with a tolerance. cp.async copies only
+// at the wait_group that retires its group (the source is read at issue): a read of the destination before the
+// wait sees the old bytes, as it may on a GPU. A misaligned ldmatrix row or cp.async address is a fault: the launch
+// stops and reports it (status 3).
+#define HPCINFER_EMU 1
+namespace emu {
+
+struct WarpOperands {
+    uint32_t a[32][4];
+    uint32_t b[32][2];
+    float c[32][4];
+    const unsigned char* row[32];
+};
+
+struct PendingCopy {
+    void* dst;
+    unsigned char bytes[16];
+    int size;
+    long group;        // -1 until committed
+};
+
+struct AsyncCopies {
+    std::vector<PendingCopy> pending;
+    long committed = 0;
+};
+
+inline std::vector<WarpOperands> g_warp_operands;
+inline std::vector<AsyncCopies> g_async;      // per thread of the running block
+inline char g_fault[256] = "";
+
+inline void fault(const char* what, const void* p) {
+    if (!g_fault[0]) std::snprintf(g_fault, sizeof g_fault, "%s (address %p, thread %d)", what, p, g_fibers[g_cur].linear);
+}
+
+inline bool faulted() { return g_fault[0] != 0; }
+
+extern "C" __attribute__((visibility("default"))) const char* emu_fault() { return g_fault; }
+
+inline void tc_reset(int threads) {
+    g_fault[0] = 0;
+    g_warp_operands.resize((threads + 31) / 32);
+    g_async.assign(threads, AsyncCopies{});
+}
+
+inline float bits_to_float(uint16_t h, bool bf16) {
+    if (bf16) {
+        uint32_t u = (uint32_t)h << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    __half_raw raw;
+    raw.x = h;
+    return __half2float(__half(raw));
+}
+
+inline float half_of(uint32_t reg, int hi, bool bf16) { return bits_to_float((uint16_t)(reg >> (16 * hi)), bf16); }
+
+inline void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2], bool bf16) {
+    const int linear = g_fibers[g_cur].linear, warp = linear / 32, lane = linear % 32;
+    WarpOperands& w = g_warp_operands[warp];
+    for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) w.b[lane][i] = b[i];
+    arrive(g_warp_barriers[warp]);
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, q = l % 4;
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * q + h] = half_of(w.a[l][0], h, bf16);
+            A[g + 8][2 * q + h] = half_of(w.a[l][1], h, bf16);
+            A[g][2 * q + 8 + h] = half_of(w.a[l][2], h, bf16);
+            A[g + 8][2 * q + 8 + h] = half_of(w.a[l][3], h, bf16);
+            B[2 * q + h][g] = half_of(w.b[l][0], h, bf16);
+            B[2 * q + 8 + h][g] = half_of(w.b[l][1], h, bf16);
+        }
+    }
+    arrive(g_warp_barriers[warp]);   // every lane has read the operands: the area may be reused
+    const int g = lane / 4, q = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i / 2), n = 2 * q + i % 2;
+        float d = c[i];
+        for (int k = 0; k < 16; ++k) d += A[r][k] * B[k][n];
+        c[i] = d;
+    }
+}
+
+inline uint32_t read_u32(const unsigned char* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+inline uint16_t read_u16(const unsigned char* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+}
+
+// r[j] for j < count (1, 2 or 4 matrices); rows given by lanes 0 .. 8 count - 1.
+inline void ldmatrix(unsigned* r, int count, bool trans, const void* row) {
+    const int linear = g_fibers[g_cur].linear, warp = linear / 32, lane = linear % 32;
+    WarpOperands& w = g_warp_operands[warp];
+    w.row[lane] = static_cast<const unsigned char*>(row);
+    if (lane < 8 * count && reinterpret_cast<uintptr_t>(row) % 16) fault("ldmatrix: row address not 16-byte aligned", row);
+    arrive(g_warp_barriers[warp]);
+    for (int j = 0; j < count; ++j) {
+        if (!trans) {
+            r[j] = read_u32(w.row[8 * j + lane / 4] + 4 * (lane % 4));
+        } else {
+            const uint16_t lo = read_u16(w.row[8 * j + 2 * (lane % 4)] + 2 * (lane / 4));
+            const uint16_t hi = read_u16(w.row[8 * j + 2 * (lane % 4) + 1] + 2 * (lane / 4));
+            r[j] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+    }
+    arrive(g_warp_barriers[warp]);
+}
+
+inline void cp_async(void* dst, const void* src, int size, int src_bytes) {
+    if (reinterpret_cast<uintptr_t>(dst) % size || (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % size))
+        fault("cp.async: address not aligned to the copy size", src_bytes > 0 ? src : dst);
+    PendingCopy copy{dst, {}, size, -1};
+    if (src_bytes > 0) std::memcpy(copy.bytes, src, src_bytes);
+    g_async[g_fibers[g_cur].linear].pending.push_back(copy);
+}
+
+inline void cp_async_commit() {
+    AsyncCopies& a = g_async[g_fibers[g_cur].linear];
+    for (PendingCopy& p : a.pending)
+        if (p.group < 0) p.group = a.committed;
+    ++a.committed;
+}
+
+// Completes the copies of every committed group but the newest `newest_pending` ones.
+inline void cp_async_wait(int newest_pending) {
+    AsyncCopies& a = g_async[g_fibers[g_cur].linear];
+    std::vector<PendingCopy> keep;
+    for (PendingCopy& p : a.pending) {
+        if (p.group >= 0 && p.group < a.committed - newest_pending)
+            std::memcpy(p.dst, p.bytes, p.size);
+        else
+            keep.push_back(p);
+    }
+    a.pending.swap(keep);
+}
+
+// A thread that exits with copies in flight: they land (a GPU completes them too).
+inline void cp_async_flush() {
+    const int linear = g_fibers[g_cur].linear;
+    if (linear >= (int)g_async.size()) return;
+    for (PendingCopy& p : g_async[linear].pending) std::memcpy(p.dst, p.bytes, p.size);
+    g_async[linear].pending.clear();
+}
+
+inline void syncwarp() { arrive(g_warp_barriers[g_fibers[g_cur].linear / 32]); }
+
+}  // namespace emu

@@ -130,6 +130,10 @@ class EmulatedModule:
             raise ValueError(f"{function}: block {block} is not a whole number of warps")
         if status == 2:
             raise RuntimeError(f"{function}: deadlock (a __syncthreads or shuffle not reached by every thread)")
+        if status == 3:
+            fault = self.library.emu_fault
+            fault.restype = ctypes.c_char_p
+            raise RuntimeError(f"{function}: {fault().decode()}")
 
 
 _modules: dict = {}

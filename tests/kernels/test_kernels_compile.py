@@ -21,6 +21,7 @@ from hpcinfer.kernels import layout, loader
 from hpcinfer.kernels.loader import CUDA_SRC, KERNELS
 
 TYPES = ("float", "__half", "__nv_bfloat16")
+STORAGE_TYPES = {"tc_gemm": TYPES[1:], "tc_quant_gemm": TYPES[1:]}   # the tensor-core kernels' 16-bit mma types
 
 
 def _nvrtc_unavailable() -> str | None:
@@ -82,6 +83,17 @@ VARIANTS: dict[str, list[dict]] = {
                    {"QBITS": 4, "QSIGNED": 0, "HAS_MIN": 1, "GROUP": 32, "T_ACT": "float", "X_VEC": 0},
                    {"QBITS": 8, "QSIGNED": 0, "HAS_MIN": 1, "GROUP": 128, "MAX_TOKENS": 4, "ROWS": 2},
                    {"QBITS": 8, "QSIGNED": 1, "GROUP": 32, "WARPS": 8, "UNROLL": 2, "T_ACT": "float"}],
+    "tc_gemm": [{"T_ACT": "float", "MAX_TOKENS": 64, "XK": 64, "STAGES": 3},
+                {"T_ACT": "float", "MAX_TOKENS": 16, "GATED": 1, "ACT": 4, "HAS_BIAS": 1, "NORM": 1, "STAGES": 2,
+                 "XK": 128},
+                {"T_ACT": "float", "MAX_TOKENS": 32, "NORM": 2, "HAS_RESIDUAL": 1, "ACT": 1, "XSPLIT": 0,
+                 "WARPS": 8, "STAGES": 2, "XK": 64},
+                {"T_ACT": "float", "MAX_TOKENS": 8, "MT": 2, "WARPS": 2, "XK": 256}],
+    "tc_quant_gemm": [{"T_ACT": "float", "QBITS": 4, "QSIGNED": 0, "HAS_MIN": 1, "GROUP": 64, "MAX_TOKENS": 64,
+                       "XK": 64, "STAGES": 3, "HAS_BIAS": 1},
+                      {"T_ACT": "float", "QBITS": 8, "QSIGNED": 1, "GROUP": 0, "MAX_TOKENS": 16, "XK": 192},
+                      {"T_ACT": "float", "QBITS": 8, "QSIGNED": 0, "HAS_MIN": 1, "GROUP": 32, "MAX_TOKENS": 8,
+                       "XSPLIT": 0, "WARPS": 8, "STAGES": 2}],
     "quant_dequant": [{"QBITS": 4, "QSIGNED": 0, "HAS_MIN": 1, "GROUP": 64, "T_ACT": "float"},
                       {"QBITS": 8, "QSIGNED": 0, "HAS_MIN": 1, "GROUP": 32}, {"QBITS": 8, "BLOCK": 128}],
     "moe_gating": [{"MAX_EXPERTS": 1024, "ROUTE_BLOCK": 256, "PERMUTE": 0}, {"T_ACT": "float", "CHUNK": 512}],
@@ -91,7 +103,7 @@ VARIANTS: dict[str, list[dict]] = {
 def _cases():
     cases = []
     for name in sorted(KERNELS):
-        for t in TYPES:
+        for t in STORAGE_TYPES.get(name, TYPES):
             cases.append(pytest.param(name, {"T_STORAGE": t}, "sm_90", id=f"{name}-{t}-sm_90"))
         cases.append(pytest.param(name, {"T_STORAGE": "__half"}, "sm_80", id=f"{name}-__half-sm_80"))
         for i, extra in enumerate(VARIANTS.get(name, [])):
