@@ -100,6 +100,10 @@ class SlurmError(RuntimeError):
     """The cluster did not come up, or a Slurm command failed; the message holds the daemons' log tails."""
 
 
+class SlurmUnsupported(SlurmError):
+    """This Slurm build cannot run the cluster asked for (two slurmd on one host)."""
+
+
 class SlurmCluster:
     """One controller and `nodes` slurmd on this host (two need a Slurm built with --enable-multiple-slurmd).
 
@@ -132,6 +136,9 @@ class SlurmCluster:
             self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
             self._wait(lambda: self._run(["scontrol", "ping"], check=False).stdout.count("UP") > 0,
                        timeout, "slurmctld to answer `scontrol ping`")
+            if self.nodes > 1 and "MULTIPLE_SLURMD = Yes" not in " ".join(self.scontrol("show", "config").split()):
+                raise SlurmUnsupported(f"Slurm {slurm_version()} here was built without --enable-multiple-slurmd "
+                                       "(`scontrol show config` has no MULTIPLE_SLURMD = Yes): one slurmd per host")
             for name in self.node_names:
                 args = ["slurmd", "-D", "-f", str(self.conf)] + (["-N", name] if self.nodes > 1 else [])
                 self._spawn(f"slurmd-{name}", args)
@@ -155,6 +162,7 @@ class SlurmCluster:
         for path in (self.munge_dir, key):
             os.chown(path, munge.pw_uid, munge.pw_gid)
         self.conf.write_text(self.slurm_conf())
+        (self.root / "plugstack.conf").write_text("")      # not /etc/slurm/plugstack.conf: no SPANK plugin
         if self.gpu:                                # declared only: /dev/null as its device (Count= alone registers 0)
             (self.root / "gres.conf").write_text(f"NodeName={','.join(self.node_names)} Name=gpu File=/dev/null\n")
 
@@ -208,7 +216,6 @@ class SlurmCluster:
                          f"CPUs={self.cpus} RealMemory={self.memory_mb}{gres} State=UNKNOWN")
         lines.append(f"PartitionName=test Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE "
                      "OverSubscribe=FORCE:8 State=UP")
-        (self.root / "plugstack.conf").write_text("")
         return "\n".join(lines) + "\n"
 
     def _start_munged(self, timeout: float) -> None:

@@ -13,7 +13,6 @@ from cli_helpers import clean_env
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "jobs"
 SMOLLM2 = ROOT / "models" / "smollm2.h5"
-MINILM = ROOT / "models" / "minilm.h5"
 VOCAB = 256                                   # the tiny llama_mha
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, unavailable_reason
+from slurm_cluster import SlurmCluster, SlurmUnsupported, unavailable_reason
 
 
 def _cluster(request, **kwargs) -> SlurmCluster:
@@ -18,7 +18,10 @@ def _cluster(request, **kwargs) -> SlurmCluster:
         pytest.skip(reason)
     cluster = SlurmCluster(**kwargs)
     request.addfinalizer(cluster.stop)        # also atexit, and the daemons die with this process
-    return cluster.start()
+    try:
+        return cluster.start()
+    except SlurmUnsupported as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +49,33 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     ckpt = root / "tiny.h5"
     convert_hf(save_tiny_model("llama_mha", root / "hf"), str(ckpt), "float32")
     return ckpt
+
+
+@pytest.fixture(scope="session")
+def tiny_tp3_ckpt(tmp_path_factory) -> Path:
+    """A tiny random Llama with 6 heads and 3 KV heads, 2 layers: tp = 3, pp = 2 as inputs/pipeline.toml asks."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from hpcinfer.checkpoint.hf import convert_hf
+
+    root = tmp_path_factory.mktemp("slurm-tp3")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
+                                      num_key_value_heads=3, intermediate_size=96, max_position_embeddings=128,
+                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "hf")
+    convert_hf(str(root / "hf"), str(root / "tp3.h5"), "float32")
+    return root / "tp3.h5"
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_ckpt(tmp_path_factory) -> Path:
+    """encoder_models' tiny BERT (with its tokenizer), converted."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from encoder_models import save_tiny_encoder
+    from hpcinfer.checkpoint.hf import convert_hf
+
+    root = tmp_path_factory.mktemp("slurm-bert")
+    convert_hf(save_tiny_encoder("bert", root / "hf"), str(root / "bert.h5"), "float32")
+    return root / "bert.h5"

@@ -18,8 +18,8 @@ from cli_helpers import run_cli
 from slurm_cluster import FINISHED
 from slurm_jobs import ROOT, committed_lines, job_env, read_log, sets, submit, token_prompts
 
-COUNT = 64                      # prompts: 32 rounds (dp = 2, batch 1), ~0.1 s each here: a signal lands mid-job
-NEW_TOKENS = 12
+COUNT = 40                      # prompts: 20 rounds (dp = 2, batch 1): each signal lands mid-job
+NEW_TOKENS = 8
 STOP_LINE = "job: stopped with its results committed; requeueing job"
 TERM_LINE = "job: stopped by SIGTERM with its results committed; Slurm requeues or ends job"
 
