@@ -48,6 +48,9 @@ MUNGE_USER = "munge"
 #   MinJobAge=600              a finished job stays visible to `scontrol show job` for 10 minutes (no accounting)
 FAST_REQUEUE = {"cred_expire": 5, "sched_interval": 1, "bf_interval": 1}
 
+# The variables of a surrounding Slurm job or command, dropped from this cluster's commands and jobs.
+OUTER_SLURM_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_", "SCONTROL_")
+
 # Job states of a job that has ended (and is no longer COMPLETING: its processes are gone).
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}
@@ -249,7 +252,8 @@ class SlurmCluster:
     # ------------------------------------------------------------------------------------------- commands
     def env(self, extra: dict | None = None, base: dict | None = None) -> dict:
         """An environment for Slurm commands (and the jobs they submit) that finds this cluster."""
-        env = dict(os.environ if base is None else base)
+        env = {k: v for k, v in (os.environ if base is None else base).items()
+               if not k.startswith(OUTER_SLURM_PREFIXES)}         # were the tests run inside a Slurm job
         env["SLURM_CONF"] = str(self.conf)
         env.update(extra or {})
         return env

@@ -5,6 +5,7 @@ not root: `make slurm-packages` installs them (.ci/run does).
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,23 @@ def _cluster(request, **kwargs) -> SlurmCluster:
         pytest.skip(reason)
     cluster = SlurmCluster(**kwargs)
     request.addfinalizer(cluster.stop)        # also atexit, and the daemons die with this process
+    _stop_on_sigterm(request)
     try:
         return cluster.start()
     except SlurmUnsupported as e:
         pytest.skip(str(e))
+
+
+def _stop_on_sigterm(request) -> None:
+    """SIGTERM to this process (tests/run_all.sh's timeout) unwinds pytest like Ctrl-C, so the finalizers stop the
+    cluster and its jobs; without this, only the daemons would go (parent-death signal) and job steps would stay."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    request.addfinalizer(lambda: signal.signal(signal.SIGTERM, previous))
 
 
 @pytest.fixture(scope="session")

@@ -9,14 +9,17 @@ Slurm's defaults wait ~2-3 minutes).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import run_cli
+from cli_helpers import clean_env, run_cli
 from slurm_cluster import FINISHED
-from slurm_jobs import ROOT, committed_lines, job_env, read_log, sets, submit, token_prompts
+from slurm_jobs import JOBS, ROOT, committed_lines, job_env, read_log, sets, submit, token_prompts
 
 COUNT = 40                      # prompts: 20 rounds (dp = 2, batch 1): each signal lands mid-job
 NEW_TOKENS = 8
@@ -99,6 +102,24 @@ def test_requeue_cycles_end_in_the_uninterrupted_output(slurm, tiny_ckpt, refere
     assert f"tokens generated for {COUNT} prompts ({seen} of them done by an earlier run)" in text, text
 
 
+def test_the_time_limit_warning_requeues(slurm, tiny_ckpt, tmp_path):
+    """Slurm's own warning: with --time=1 --signal=B:USR1@50 (on the command line, over the script's 30 min and
+    @120), slurmctld's time-limit check (every 30 s) sends SIGUSR1 to the batch shell 10-40 s into the job; the
+    script stops the ranks and requeues itself. The job is then cancelled (resuming is tested above)."""
+    prompts, output = token_prompts(tmp_path / "p.jsonl", 4000), tmp_path / "o.jsonl"    # > 40 s of work
+    job, log = submit(slurm, "requeue.slurm", tmp_path, _env(tiny_ckpt, prompts, output, tmp_path),
+                      "--time=1", "--signal=B:USR1@50")
+    started = slurm.wait_for(job, {"RUNNING"}, timeout=60)
+    _wait_restarts(slurm, job, 1, timeout=90)
+    slurm.scancel(job)
+    info = slurm.wait_done(job, timeout=60)
+    text = read_log(log)
+    assert info["JobState"] == "CANCELLED" and int(info["Restarts"]) == 1, (info, text)
+    assert "job: SIGUSR1: every rank stops after its current batch" in text and text.count(STOP_LINE) == 1, text
+    assert "hpcinfer: stopped by SIGUSR1 on rank" in text and "TIME LIMIT" not in text, text
+    assert 0 < len(_assert_whole_lines(output)) < 4000, started
+
+
 def test_preemption_stops_cleanly_and_resumes(slurm, tiny_ckpt, reference, tmp_path):
     """`scontrol requeue` of the running job (what preemption with PreemptMode=REQUEUE does): Slurm sends SIGTERM,
     the ranks commit their round and exit 75, Slurm requeues the job, and the next start finishes it."""
@@ -151,3 +172,30 @@ def test_scancel_leaves_whole_lines_and_no_rank(slurm, tiny_ckpt, reference, tmp
     time.sleep(2)
     info = slurm.job(job)
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), info
+
+
+def test_sigterm_to_the_batch_shell_stops_without_a_requeue_here(tiny_ckpt, reference, tmp_path):
+    """lib.sh's rule without a Slurm (jobs/run_local.sh, mpiexec, a recording `scontrol`): SIGTERM to the batch
+    shell stops the ranks cleanly and the script exits 75 without asking for a requeue."""
+    prompts, expected = reference
+    output, bin_dir, calls = tmp_path / "o.jsonl", tmp_path / "bin", tmp_path / "scontrol.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    env = clean_env(extra={**_env(tiny_ckpt, prompts, output, tmp_path), "SLURM_JOB_ID": "4242",
+                           "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    job = subprocess.Popen(["bash", str(JOBS / "run_local.sh"), str(JOBS / "requeue.slurm")], env=env, cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while committed_lines(output) < 2 and job.poll() is None:
+            assert time.monotonic() < deadline, "no committed result within 120 s"
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)                     # the batch shell: run_local.sh execs the script
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 75, stdout + stderr
+    assert TERM_LINE in stderr and STOP_LINE not in stderr and not calls.exists(), stderr
+    assert 0 < len(_assert_whole_lines(output)) < COUNT
