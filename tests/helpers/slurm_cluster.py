@@ -116,11 +116,11 @@ class SlurmCluster:
     runs on the CPU."""
 
     def __init__(self, nodes: int = 1, cpus: int = 2, memory_mb: int = 8000, gpu: bool = False,
-                 requeue: dict | None = None, root: str | Path | None = None):
+                 requeue: dict | None = None):
         self.nodes, self.cpus, self.memory_mb, self.gpu = nodes, cpus, memory_mb, gpu
         self.requeue = dict(FAST_REQUEUE, **(requeue or {}))
         self.host = socket.gethostname().split(".")[0]
-        self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="hpcinfer-slurm-"))
+        self.root = Path(tempfile.mkdtemp(prefix="hpcinfer-slurm-"))
         self.conf = self.root / "slurm.conf"
         self.munge_dir = self.root / "munge"
         self.socket = self.munge_dir / "munge.socket"
@@ -307,17 +307,26 @@ class SlurmCluster:
         if self._stopped:
             return
         self._stopped = True
-        if "slurmctld" in self._daemons and self._daemons["slurmctld"].poll() is None:
-            self._run(["scancel", "--full", f"--partition=test"], check=False, timeout=10)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and self._run(["squeue", "-h"], check=False, timeout=10).stdout.strip():
-                time.sleep(0.3)
+        try:
+            self._cancel_jobs(timeout=15)
+        except (OSError, subprocess.SubprocessError):      # a hung or missing command: the kills below still run
+            pass
         for name in sorted(self._daemons, key=lambda n: (n == "munged", n == "slurmctld")):  # slurmd first
             _terminate(self._daemons[name])
         for pid in _pids_with_env({f"SLURM_CONF={self.conf}"}):
             _kill(pid, signal.SIGKILL)
         if not os.environ.get("KEEP_SLURM"):
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def _cancel_jobs(self, timeout: float) -> None:
+        """scancel every job (SIGTERM to the batch shells and steps) and wait until none is left, not even
+        COMPLETING: their processes then end by themselves, not by SIGKILL."""
+        if "slurmctld" not in self._daemons or self._daemons["slurmctld"].poll() is not None:
+            return
+        self._run(["scancel", "--full", "--partition=test"], check=False, timeout=10)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._run(["squeue", "-h"], check=False, timeout=10).stdout.strip():
+            time.sleep(0.3)
 
     def log_tails(self, lines: int = 25) -> str:
         out = []

@@ -49,10 +49,3 @@ def read_log(path: Path) -> str:
 
 def output_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines()]
-
-
-def committed_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0

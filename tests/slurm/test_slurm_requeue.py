@@ -19,11 +19,12 @@ import pytest
 
 from cli_helpers import clean_env, run_cli
 from slurm_cluster import FINISHED
-from slurm_jobs import JOBS, ROOT, committed_lines, job_env, read_log, sets, submit, token_prompts
+from slurm_jobs import JOBS, ROOT, job_env, read_log, sets, submit, token_prompts
 
-COUNT = 40                      # prompts: 20 rounds (dp = 2, batch 1): each signal lands mid-job
+COUNT = 40                      # prompts: 20 rounds (dp = 2, batch 1); each stop comes after a start's first
 NEW_TOKENS = 8
 STOP_LINE = "job: stopped with its results committed; requeueing job"
+MESH_LINE = "hpcinfer: 2 ranks on 1 node(s)"
 TERM_LINE = "job: stopped by SIGTERM with its results committed; Slurm requeues or ends job"
 
 
@@ -51,25 +52,30 @@ def _env(tiny_ckpt, prompts, output, out, *extra) -> dict:
                    HPCINFER_SET=sets(*_items(prompts, output, out, *extra)))
 
 
-def _wait_committed(slurm, job, output: Path, at_least: int, restarts: int, timeout: float = 120) -> int:
-    """Wait until start `restarts` + 1 of the job runs and has committed `at_least` lines; returns the count."""
+def _wait_started(slurm, job, log: Path, start: int, timeout: float = 120) -> None:
+    """Wait until start number `start` of the job runs its ranks: their mesh line is in the log, so every rank has
+    its signal handlers (and the batch shell its traps). A signal now stops the job after its first round at the
+    latest, however fast this machine runs the rest."""
     deadline = time.monotonic() + timeout
     while True:
         info = slurm.job(job)
-        lines = committed_lines(output)
-        if info["JobState"] == "RUNNING" and int(info["Restarts"]) == restarts and lines >= at_least:
-            return lines
-        assert info["JobState"] not in FINISHED, info
-        assert time.monotonic() < deadline, f"{lines} lines committed after {timeout} s: {info}"
+        if info["JobState"] == "RUNNING" and read_log(log).count(MESH_LINE) >= start:
+            return
+        assert info["JobState"] not in FINISHED, (info, read_log(log))
+        assert time.monotonic() < deadline, f"start {start} not running after {timeout} s: {info}"
         time.sleep(0.05)
 
 
-def _wait_restarts(slurm, job, restarts: int, timeout: float = 60) -> dict:
+def _wait_requeued(slurm, job, restarts: int, timeout: float = 90) -> dict:
+    """Wait until the job has been requeued `restarts` times and its stopped start is over (no longer
+    COMPLETING: every rank has exited, so the output holds what that start committed)."""
     deadline = time.monotonic() + timeout
-    while int((info := slurm.job(job))["Restarts"]) < restarts:
-        assert time.monotonic() < deadline, f"no requeue within {timeout} s: {info}"
+    while True:
+        info = slurm.job(job)
+        if int(info["Restarts"]) >= restarts and info["JobState"] in {"PENDING", "RUNNING"} | FINISHED:
+            return info
+        assert time.monotonic() < deadline, f"not requeued {restarts} time(s) within {timeout} s: {info}"
         time.sleep(0.1)
-    return info
 
 
 def _assert_whole_lines(output: Path) -> list[dict]:
@@ -86,11 +92,11 @@ def test_requeue_cycles_end_in_the_uninterrupted_output(slurm, tiny_ckpt, refere
     job, log = submit(slurm, "requeue.slurm", tmp_path, _env(tiny_ckpt, prompts, output, tmp_path))
     seen = 0
     for cycle in range(2):
-        seen = _wait_committed(slurm, job, output, seen + 2, restarts=cycle)
+        _wait_started(slurm, job, log, cycle + 1)
         slurm.scancel("--batch", "--signal=USR1", job)
-        _wait_restarts(slurm, job, cycle + 1)
+        _wait_requeued(slurm, job, cycle + 1)
         stopped_at = len(_assert_whole_lines(output))
-        assert seen <= stopped_at < COUNT, (seen, stopped_at)
+        assert seen < stopped_at < COUNT, (seen, stopped_at)      # each start commits at least one round
         seen = stopped_at
     info = slurm.wait_done(job, timeout=120)
     text = read_log(log)
@@ -110,7 +116,7 @@ def test_the_time_limit_warning_requeues(slurm, tiny_ckpt, tmp_path):
     job, log = submit(slurm, "requeue.slurm", tmp_path, _env(tiny_ckpt, prompts, output, tmp_path),
                       "--time=1", "--signal=B:USR1@50")
     started = slurm.wait_for(job, {"RUNNING"}, timeout=60)
-    _wait_restarts(slurm, job, 1, timeout=90)
+    _wait_requeued(slurm, job, 1, timeout=90)
     slurm.scancel(job)
     info = slurm.wait_done(job, timeout=60)
     text = read_log(log)
@@ -126,9 +132,9 @@ def test_preemption_stops_cleanly_and_resumes(slurm, tiny_ckpt, reference, tmp_p
     prompts, expected = reference
     output = tmp_path / "o.jsonl"
     job, log = submit(slurm, "requeue.slurm", tmp_path, _env(tiny_ckpt, prompts, output, tmp_path))
-    _wait_committed(slurm, job, output, 2, restarts=0)
+    _wait_started(slurm, job, log, 1)
     slurm.scontrol("requeue", job)
-    _wait_restarts(slurm, job, 1)
+    _wait_requeued(slurm, job, 1)
     assert 0 < len(_assert_whole_lines(output)) < COUNT
     info = slurm.wait_done(job, timeout=120)
     text = read_log(log)
@@ -159,7 +165,7 @@ def test_scancel_leaves_whole_lines_and_no_rank(slurm, tiny_ckpt, reference, tmp
     prompts, expected = reference
     output = tmp_path / "o.jsonl"
     job, log = submit(slurm, "requeue.slurm", tmp_path, _env(tiny_ckpt, prompts, output, tmp_path))
-    _wait_committed(slurm, job, output, 2, restarts=0)
+    _wait_started(slurm, job, log, 1)
     assert slurm.job_processes(job), "no process of the running job found by its environment"
     slurm.scancel(job)
     info = slurm.wait_for(job, {"CANCELLED"}, timeout=60)   # COMPLETING until every process of the job is gone
@@ -184,18 +190,21 @@ def test_sigterm_to_the_batch_shell_stops_without_a_requeue_here(tiny_ckpt, refe
     (bin_dir / "scontrol").chmod(0o755)
     env = clean_env(extra={**_env(tiny_ckpt, prompts, output, tmp_path), "SLURM_JOB_ID": "4242",
                            "PATH": f"{bin_dir}:{os.environ['PATH']}"})
-    job = subprocess.Popen(["bash", str(JOBS / "run_local.sh"), str(JOBS / "requeue.slurm")], env=env, cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "stdout.txt"
+    with open(log, "w") as stdout_file:
+        job = subprocess.Popen(["bash", str(JOBS / "run_local.sh"), str(JOBS / "requeue.slurm")], env=env, cwd=ROOT,
+                               stdout=stdout_file, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while committed_lines(output) < 2 and job.poll() is None:
-            assert time.monotonic() < deadline, "no committed result within 120 s"
+        while MESH_LINE not in read_log(log) and job.poll() is None:      # the ranks run, their handlers set
+            assert time.monotonic() < deadline, "no rank started within 120 s"
             time.sleep(0.05)
         job.send_signal(signal.SIGTERM)                     # the batch shell: run_local.sh execs the script
-        stdout, stderr = job.communicate(timeout=120)
+        _, stderr = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+    stdout = read_log(log)
     assert job.returncode == 75, stdout + stderr
     assert TERM_LINE in stderr and STOP_LINE not in stderr and not calls.exists(), stderr
     assert 0 < len(_assert_whole_lines(output)) < COUNT
