@@ -62,7 +62,7 @@ def unavailable_reason() -> str | None:
     """Why a Slurm cluster cannot be started here (not root, a package missing), or None."""
     if os.geteuid() != 0:
         return "the Slurm tests start slurmctld, slurmd and munged as root; this run is not root"
-    missing = [b for b in BINARIES if shutil.which(b) is None]
+    missing = [b for b in BINARIES if _which(b) is None]
     if missing:
         return (f"Slurm or munge is not installed ({', '.join(missing)} not on PATH): "
                 f"`make slurm-packages` installs Debian's {' '.join(PACKAGES)} (root, apt)")
@@ -73,9 +73,14 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _which(name: str) -> str | None:
+    """A program on PATH, or in /usr/sbin or /sbin (where Debian puts the daemons; a user's PATH may lack them)."""
+    return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+
+
 def slurm_version() -> str:
     """The installed Slurm's version, e.g. '22.05.8' (`slurmd -V`: the only command that needs no slurm.conf)."""
-    out = subprocess.run(["slurmd", "-V"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([_which("slurmd") or "slurmd", "-V"], capture_output=True, text=True, check=True).stdout
     return out.split()[-1]
 
 
@@ -229,6 +234,7 @@ class SlurmCluster:
         self._wait(self.socket.exists, timeout, "munged's socket")
 
     def _spawn(self, name: str, args: list[str], user: str | None = None) -> None:
+        args = [_which(args[0]) or args[0], *args[1:]]
         log = open(self.root / "log" / f"{name}.console", "w")
         kwargs = {"user": user, "group": user} if user else {}
         self._daemons[name] = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -26,7 +26,8 @@ def test_skip_reason_when_not_root(monkeypatch):
 
 def test_skip_reason_when_a_package_is_missing(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(slurm_cluster.shutil, "which", lambda name: None if name == "slurmd" else f"/usr/bin/{name}")
+    monkeypatch.setattr(slurm_cluster.shutil, "which",
+                        lambda name, path=None: None if name == "slurmd" else f"/usr/bin/{name}")
     reason = unavailable_reason()
     assert "slurmd not on PATH" in reason and "make slurm-packages" in reason
 
