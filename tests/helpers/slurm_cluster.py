@@ -44,8 +44,8 @@ MUNGE_USER = "munge"
 #   sched_interval=1           the main scheduling loop, which starts such a job once its begin time has passed,
 #                              runs every second (default 60)
 #   bf_interval=1              the backfill loop likewise (default 30)
-#   KillWait=10                SIGTERM to SIGKILL at a time limit or scancel (default 30)
-#   MinJobAge=600              a finished job stays visible to `scontrol show job` for 10 minutes (no accounting)
+# (slurm_conf() also sets KillWait=10: SIGTERM to SIGKILL after scancel or a requeue, default 30; and MinJobAge=600:
+# a finished job stays visible to `scontrol show job` for 10 minutes, there being no accounting to ask.)
 FAST_REQUEUE = {"cred_expire": 5, "sched_interval": 1, "bf_interval": 1}
 
 # The variables of a surrounding Slurm job or command, dropped from this cluster's commands and jobs.
