@@ -1,0 +1,207 @@
+"""Small-batch GEMM y[T, O] = x[T, I] @ W[O, I]^T for the NumPy backend (Numba), with the fused norm before it and
+the epilogue after it (bias, activation or gate-up, residual): the CPU twin of cuda_src/fused_norm_gemv.cu.
+
+Layout. The kernel reads W as it is held, row-major [O, I] float32: a block of ROWS consecutive rows is one
+contiguous stretch of memory (ROWS streams the prefetchers follow), and each row is unit-stride along the input
+dimension, which is what LLVM's loop vectorizer needs to run the dot products in AVX2 lanes (8 floats). A layout
+interleaving the rows ([O/8, I, 8], SIMD over outputs) was tried: Numba's LLVM does not vectorize it (48 scalar
+FMAs per iteration, 4x slower), so there is nothing to repack for float32 weights; quantized weights keep
+quant/formats.py's layout too (gemm_quant.py).
+
+Register blocking: ROWS (4) output rows x TOKENS (2) tokens per block, 8 vector accumulators; the W block (4 rows)
+stays in L1/L2 while every token pair of the step passes over it, so W is read from memory once per call.
+
+Batch invariance: every output y[t, o] is summed by the same machine code, whatever T and wherever t sits in the
+step (an odd T is padded with a zero token; O % ROWS rows are computed in a block whose spare rows repeat the
+last row and are not stored), and by one thread (prange over row blocks). So a token's row is the same bits alone
+or among others: static and continuous batching give the same tokens. The order of the sum is LLVM's vectorized
+reduction over I (8 lanes, then a horizontal sum, then the I % 8 tail), fixed by I alone.
+
+Shape legend: T=tokens, Tp=tokens padded to TOKENS, I=input features, O=output features, F=gated outputs (O / 2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+F32 = np.float32
+ROWS = 4              # output rows per register block
+TOKENS = 2            # tokens per register block
+FASTMATH = {"reassoc", "contract"}   # reassoc: the vectorized reduction over I; contract: FMA. No nnan/ninf: -inf
+                                     # and NaN stay IEEE, as in NumPy.
+ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+NORMS = {None: 0, "rmsnorm": 1, "layernorm": 2}
+NONE_1D = np.zeros(0, F32)           # "no bias / no norm weight": one compiled signature for every combination
+NONE_2D = np.zeros((0, 0), F32)      # "no residual"
+THREAD_WORK = 1 << 17                # multiply-adds a thread gets at least: a smaller product runs on fewer threads
+                                     # (waking a thread costs ~10 us, more on a busy machine; 2^17 MACs ~ 10 us)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _dot4x2(xp, w, o0, o1, o2, o3, t):
+    """The 8 dot products of rows o0..o3 of w [O, I] with tokens t, t+1 of xp [Tp, I]."""
+    s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = F32(0)
+    for k in range(xp.shape[1]):
+        x0 = xp[t, k]
+        x1 = xp[t + 1, k]
+        w0, w1, w2, w3 = w[o0, k], w[o1, k], w[o2, k], w[o3, k]
+        s00 += w0 * x0
+        s01 += w0 * x1
+        s10 += w1 * x0
+        s11 += w1 * x1
+        s20 += w2 * x0
+        s21 += w2 * x1
+        s30 += w3 * x0
+        s31 += w3 * x1
+    return (s00, s10, s20, s30), (s01, s11, s21, s31)
+
+
+@njit(fastmath={"contract"}, cache=True)
+def activate(v, act):
+    """One value of Ops.activation (act: ACTIVATIONS code). GELU uses math.erf (NumPy's reference: an A&S fit)."""
+    if act == 1:
+        return v / (F32(1) + math.exp(-v))
+    if act == 2:
+        return F32(0.5) * v * (F32(1) + math.erf(v * F32(0.7071067811865476)))
+    if act == 3:
+        return F32(0.5) * v * (F32(1) + math.tanh(F32(0.7978845608028654) * (v + F32(0.044715) * v * v * v)))
+    if act == 4:
+        return max(v, F32(0))
+    return v
+
+
+@njit(fastmath={"contract"}, cache=True)
+def padded_rows(x, norm, norm_w, norm_b, eps, xp):
+    """xp[:T] = norm(x) (norm: NORMS code; 0 = a copy), xp[T:] = 0. x [T, I] -> xp [Tp, I]. Sums in float64."""
+    T, n = x.shape
+    for t in range(T):
+        if norm == 0:
+            for k in range(n):
+                xp[t, k] = x[t, k]
+            continue
+        mean = 0.0
+        if norm == 2:
+            for k in range(n):
+                mean += x[t, k]
+            mean /= n
+        square = 0.0
+        for k in range(n):
+            d = x[t, k] - mean
+            square += d * d
+        rstd = 1.0 / math.sqrt(square / n + eps)
+        for k in range(n):
+            v = F32((x[t, k] - mean) * rstd) * norm_w[k]
+            xp[t, k] = v + norm_b[k] if norm_b.size else v
+    for t in range(T, xp.shape[0]):
+        for k in range(n):
+            xp[t, k] = F32(0)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def gemm(xp, w, bias, act, residual, out):
+    """out[T, O] = act(xp[:T] @ w.T + bias) + residual. xp [Tp, I] (Tp even, rows past T zero), w [O, I],
+    bias [O] or [0], residual [T, O] or [0, 0]."""
+    T, O = out.shape
+    last = O - 1
+    for block in prange((O + ROWS - 1) // ROWS):
+        o = block * ROWS
+        o1, o2, o3 = min(o + 1, last), min(o + 2, last), min(o + 3, last)
+        for t in range(0, T, TOKENS):
+            first, second = _dot4x2(xp, w, o, o1, o2, o3, t)
+            for r in range(min(ROWS, O - o)):
+                out[t, o + r] = first[r]
+                if t + 1 < T:
+                    out[t + 1, o + r] = second[r]
+        for t in range(T):                                  # the epilogue, on values still in cache
+            for r in range(min(ROWS, O - o)):
+                v = out[t, o + r]
+                if bias.size:
+                    v += bias[o + r]
+                v = activate(v, act)
+                if residual.size:
+                    v += residual[t, o + r]
+                out[t, o + r] = v
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def gemm_gated(xp, w, bias, act, out):
+    """out[T, F] = act(gate) * up with [gate | up] = xp[:T] @ w.T + bias, w [2F, I] (gate rows first)."""
+    T, F = out.shape
+    last = F - 1
+    for block in prange((F + ROWS - 1) // ROWS):
+        o = block * ROWS
+        o1, o2, o3 = min(o + 1, last), min(o + 2, last), min(o + 3, last)
+        for t in range(0, T, TOKENS):
+            gate0, gate1 = _dot4x2(xp, w, o, o1, o2, o3, t)
+            up0, up1 = _dot4x2(xp, w, F + o, F + o1, F + o2, F + o3, t)
+            for r in range(min(ROWS, F - o)):
+                g, u = gate0[r], up0[r]
+                if bias.size:
+                    g, u = g + bias[o + r], u + bias[F + o + r]
+                out[t, o + r] = activate(g, act) * u
+                if t + 1 < T:
+                    g, u = gate1[r], up1[r]
+                    if bias.size:
+                        g, u = g + bias[o + r], u + bias[F + o + r]
+                    out[t + 1, o + r] = activate(g, act) * u
+
+
+KERNELS = (padded_rows, gemm, gemm_gated)        # what compiled.warm_up loads or compiles
+
+
+def padded_input(x, norm=None):
+    """x [T, I] -> xp [Tp, I] float32 C-contiguous, normalized when `norm` (a NormParams) is given."""
+    T, n = x.shape
+    xp = np.empty((T + T % TOKENS, n), F32)
+    x = np.ascontiguousarray(x, dtype=F32)
+    if norm is None:
+        padded_rows(x, 0, NONE_1D, NONE_1D, 0.0, xp)
+    else:
+        weight = np.ascontiguousarray(norm.weight, dtype=F32)
+        bias = NONE_1D if norm.bias is None or norm.kind != "layernorm" else np.ascontiguousarray(norm.bias, F32)
+        padded_rows(x, NORMS[norm.kind], weight, bias, float(norm.eps), xp)
+    return xp
+
+
+def use_threads(threads: int, work: int) -> None:
+    """Run the next kernel on `threads` threads, fewer when `work` (multiply-adds) is small. Numba's setting is
+    the calling thread's: set on each call, so that the Ops that calls decides."""
+    numba.set_num_threads(max(1, min(threads, work // THREAD_WORK, numba.config.NUMBA_NUM_THREADS)))
+
+
+def fused_gemm(x, w, bias=None, norm=None, act=None, gated=False, residual=None, threads: int = 1):
+    """act(norm(x) @ w.T + bias) (+ residual), gated: act(gate) * up, as Ops.fused_linear -> [T, O or O/2].
+    w: float32 C-contiguous [O, I] (the caller checks: takes()). threads: at most this many."""
+    xp = padded_input(x, norm)
+    T = x.shape[0]
+    use_threads(threads, xp.size * w.shape[0])
+    bias = NONE_1D if bias is None else np.ascontiguousarray(bias, dtype=F32)
+    if gated:
+        out = np.empty((T, w.shape[0] // 2), F32)
+        gemm_gated(xp, w, bias, ACTIVATIONS[act], out)
+        return out if residual is None else residual + out
+    out = np.empty((T, w.shape[0]), F32)
+    res = NONE_2D if residual is None else np.ascontiguousarray(residual, dtype=F32)
+    gemm(xp, w, bias, ACTIVATIONS[act], res, out)
+    return out
+
+
+# Tokens up to which the compiled GEMM beats BLAS (OpenBLAS through NumPy), measured per shape by
+# bench/scripts/cpu_ops.py (`make bench-ops`, projections table): see max_tokens.
+CROSSOVER = 64
+
+
+def max_tokens(rows: int, cols: int) -> int:
+    """The most tokens for which the compiled GEMM is faster than BLAS on a weight [rows, cols]."""
+    return CROSSOVER
+
+
+def takes(x, w, act=None) -> bool:
+    """Whether the compiled GEMM runs this product: a float32 C-contiguous weight [O, I], a known activation, and
+    few enough tokens that it beats BLAS (crossover.py)."""
+    return (isinstance(w, np.ndarray) and w.dtype == F32 and w.ndim == 2 and w.flags.c_contiguous
+            and act in ACTIVATIONS and x.shape[0] <= max_tokens(*w.shape))

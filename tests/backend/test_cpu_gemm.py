@@ -1,0 +1,120 @@
+"""The compiled small-batch GEMM (backend/cpu_kernels/gemm.py) against its NumPy twin (NumpyOps with cpu_kernels =
+"numpy"): plain, with every fusion (norm before, bias / activation / gate-up / residual after), odd sizes and 1..64
+tokens; batch invariance (a token's row is the same bits alone or among others); and the switch."""
+
+import numpy as np
+import pytest
+
+from hpcinfer.backend.cpu_kernels import compiled, gemm
+from hpcinfer.backend.interface import NormParams
+from hpcinfer.backend.numpy_ops import NumpyOps
+
+REFERENCE = NumpyOps(threads=2, cpu_kernels="numpy")
+KERNELS = NumpyOps(threads=2, cpu_kernels="numba")             # tiny products: one thread (gemm.THREAD_WORK)
+SHAPES = [(1, 1), (5, 3), (13, 67), (64, 128), (33, 97)]          # (out, in): odd, tiny, row counts not of 4
+
+
+def data(tokens, rows, cols, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    return x, w, rng
+
+
+def close(got, want):
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 17, 64])
+def test_linear_matches_numpy(rows, cols, tokens):
+    x, w, rng = data(tokens, rows, cols)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    close(KERNELS.linear(x, w), REFERENCE.linear(x, w))
+    close(KERNELS.linear(x, w, bias), REFERENCE.linear(x, w, bias))
+
+
+def norms(cols, rng):
+    weight, bias = rng.standard_normal(cols).astype(np.float32), rng.standard_normal(cols).astype(np.float32)
+    return [None, NormParams("rmsnorm", weight, None, 1e-5), NormParams("layernorm", weight, bias, 1e-5),
+            NormParams("layernorm", weight, None, 1e-6)]
+
+
+@pytest.mark.parametrize("act", [None, "silu", "gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_fused_linear_matches_numpy(act, tokens):
+    x, w, rng = data(tokens, 37, 70, seed=tokens)
+    bias = rng.standard_normal(37).astype(np.float32)
+    residual = rng.standard_normal((tokens, 37)).astype(np.float32)
+    for norm in norms(70, rng):
+        for b in (None, bias):
+            for res in (None, residual):
+                close(KERNELS.fused_linear(x, w, b, norm, act, residual=res),
+                      REFERENCE.fused_linear(x, w, b, norm, act, residual=res))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("tokens", [1, 4, 9])
+def test_gated_fused_linear_matches_numpy(act, tokens):
+    x, w, rng = data(tokens, 2 * 21, 40, seed=3)                   # [gate | up], F = 21 (not a multiple of 4)
+    bias = rng.standard_normal(42).astype(np.float32)
+    for norm in norms(40, rng)[:2]:
+        for b in (None, bias):
+            close(KERNELS.fused_linear(x, w, b, norm, act, gated=True),
+                  REFERENCE.fused_linear(x, w, b, norm, act, gated=True))
+
+
+@pytest.mark.parametrize("rows,cols", [(13, 67), (64, 128), (258, 512)])     # the last on 2 threads
+def test_a_tokens_row_is_the_same_bits_alone_or_among_others(rows, cols):
+    """Static and continuous batching put a token in steps of different sizes and at different places."""
+    x, w, rng = data(8, rows, cols, seed=7)
+    norm, bias = norms(cols, rng)[1], rng.standard_normal(rows).astype(np.float32)
+    together = [KERNELS.linear(x, w), KERNELS.fused_linear(x, w, bias, norm, "silu"),
+                KERNELS.fused_linear(x, np.concatenate([w, w[::-1]]), None, norm, "gelu", gated=True)]
+    for t in range(8):
+        alone = [KERNELS.linear(x[t:t + 1], w), KERNELS.fused_linear(x[t:t + 1], w, bias, norm, "silu"),
+                 KERNELS.fused_linear(x[t:t + 1], np.concatenate([w, w[::-1]]), None, norm, "gelu", gated=True)]
+        for a, b in zip(alone, together):
+            assert np.array_equal(a[0], b[t]), t
+        assert np.array_equal(KERNELS.linear(x[t:t + 3], w)[0], together[0][t])        # first of an odd step
+
+
+def test_numpy_setting_never_calls_the_kernels(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a compiled kernel ran under cpu_kernels = numpy")
+
+    x, w, rng = data(4, 8, 16)
+    norm = norms(16, rng)[1]
+    want = [REFERENCE.linear(x, w), REFERENCE.fused_linear(x, w, None, norm, "silu", residual=x[:, :8])]
+    for name in ("fused_gemm", "gemm", "gemm_gated", "padded_rows"):
+        monkeypatch.setattr(gemm, name, refuse)
+    got = [REFERENCE.linear(x, w), REFERENCE.fused_linear(x, w, None, norm, "silu", residual=x[:, :8])]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(AssertionError, match="compiled kernel ran"):
+        KERNELS.linear(x, w)                                         # the same call under numba does run them
+
+
+def test_past_the_crossover_and_for_other_dtypes_blas_runs(monkeypatch):
+    x, w, _ = data(9, 12, 16)
+    monkeypatch.setattr(gemm, "max_tokens", lambda rows, cols: 8)
+    monkeypatch.setattr(gemm, "fused_gemm", lambda *a, **k: pytest.fail("kernel past the crossover"))
+    assert np.array_equal(KERNELS.linear(x, w), REFERENCE.linear(x, w))
+    assert np.array_equal(KERNELS.linear(x[:2], w.astype(np.float16)), REFERENCE.linear(x[:2], w.astype(np.float16)))
+
+
+def test_small_products_run_on_fewer_threads(monkeypatch):
+    asked = []
+    monkeypatch.setattr(gemm.numba, "set_num_threads", asked.append)
+    gemm.use_threads(2, 10)
+    gemm.use_threads(2, 1 << 30)
+    assert asked == [1, min(2, gemm.numba.config.NUMBA_NUM_THREADS)]
+
+
+def test_warm_up_logs_the_cold_start_once(caplog):
+    compiled.warm_up.cache_clear()
+    with caplog.at_level("INFO", logger="hpcinfer"):
+        seconds = compiled.warm_up()
+        compiled.warm_up()
+    lines = [r.getMessage() for r in caplog.records if "cpu kernels (numba)" in r.getMessage()]
+    assert len(lines) == 1 and seconds > 0 and "cache" in lines[0]
