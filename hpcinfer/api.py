@@ -22,13 +22,14 @@ from .quant.storage import load_quant
 
 
 def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", backend: str = "numpy",
-               quantize: str = "none", group_size: int | None = None, embedding: str = "int8") -> Decoder:
+               quantize: str = "none", group_size: int | None = None, embedding: str = "int8",
+               cpu_kernels: str = "auto") -> Decoder:
     """quantize: "int8" | "int4" | "asym8" quantizes a float checkpoint (or a --keep-quantized one) while loading;
     group_size None: the source's block grid, else 64; embedding: int4's embedding / LM head at 8 bits ("int8") or
-    int4 ("same") (docs/quantization.md)."""
+    int4 ("same") (docs/quantization.md); cpu_kernels: `[runtime] cpu_kernels` (auto | numba | numpy)."""
     with open_checkpoint(path) as ckpt:
         quant = load_quant(ckpt, quantize, group_size, embedding)
-        return Decoder(make_ops(backend), groups or Groups(), ckpt.arch, dtype).load(ckpt, quantize=quant)
+        return Decoder(make_ops(backend, cpu_kernels=cpu_kernels), groups or Groups(), ckpt.arch, dtype).load(ckpt, quantize=quant)
 
 
 def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:

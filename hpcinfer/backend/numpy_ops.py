@@ -20,7 +20,7 @@ from .interface import StepLayout, unfused_linear
 from .transfer import HostCopies
 
 if cpu_kernels.NUMBA_ERROR is None:                  # else cpu_kernels.resolve never lets "numba" through
-    from .cpu_kernels import compiled, gemm
+    from .cpu_kernels import compiled, gemm, gemm_quant
 
 F32 = np.float32
 SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
@@ -93,13 +93,18 @@ class NumpyOps:
         return residual + y                                  # y a transposed view (<= SMALL_BATCH tokens)
 
     def prepare_quantized(self, qt):
-        """A QuantizedTensor as linear_q / embedding_q take it: on the host, itself (CupyOps re-lays it)."""
-        return qt
+        """A QuantizedTensor as linear_q / embedding_q take it: on the host, itself (CupyOps re-lays it); with
+        cpu_kernels = "numba", its arrays C-contiguous (once, at load: a transposed read of a row-parallel weight
+        may not be), as the compiled kernel reads them."""
+        return gemm_quant.contiguous(qt) if self.cpu_kernels == "numba" else qt
 
     def linear_q(self, x, qt, bias=None):
         """x [T, in] @ dequantize(qt)[out, in].T (+ bias) -> [T, out] for a QuantizedTensor (quant/formats.py).
         The weight is dequantized QUANT_TILE output rows at a time into one reused float32 buffer per tile shape,
-        each tile multiplied right away: never a float copy of the whole weight, none kept between calls."""
+        each tile multiplied right away: never a float copy of the whole weight, none kept between calls.
+        cpu_kernels = "numba": dequantized in registers instead (cpu_kernels/gemm_quant.py), up to its crossover."""
+        if self.cpu_kernels == "numba" and gemm_quant.takes(x, qt, gemm.max_tokens(*qt.shape)):
+            return gemm_quant.linear_q(x, qt, bias, self.decode_attention.threads)
         rows, cols = qt.shape
         y = np.empty((x.shape[0], rows), dtype=F32)
         for start in range(0, rows, QUANT_TILE):

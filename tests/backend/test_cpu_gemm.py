@@ -1,13 +1,15 @@
 """The compiled small-batch GEMM (backend/cpu_kernels/gemm.py) against its NumPy twin (NumpyOps with cpu_kernels =
 "numpy"): plain, with every fusion (norm before, bias / activation / gate-up / residual after), odd sizes and 1..64
-tokens; batch invariance (a token's row is the same bits alone or among others); and the switch."""
+tokens, int8 / q8_0 / asym8 / int4 / q4_1 weights (gemm_quant.py); batch invariance (a token's row is the same bits alone or among
+others); and the switch."""
 
 import numpy as np
 import pytest
 
-from hpcinfer.backend.cpu_kernels import compiled, gemm
+from hpcinfer.backend.cpu_kernels import compiled, gemm, gemm_quant
 from hpcinfer.backend.interface import NormParams
 from hpcinfer.backend.numpy_ops import NumpyOps
+from hpcinfer.quant.formats import QuantizedTensor, quantize
 
 REFERENCE = NumpyOps(threads=2, cpu_kernels="numpy")
 KERNELS = NumpyOps(threads=2, cpu_kernels="numba")             # tiny products: one thread (gemm.THREAD_WORK)
@@ -118,3 +120,39 @@ def test_warm_up_logs_the_cold_start_once(caplog):
         compiled.warm_up()
     lines = [r.getMessage() for r in caplog.records if "cpu kernels (numba)" in r.getMessage()]
     assert len(lines) == 1 and seconds > 0 and "cache" in lines[0]
+
+
+def quantized(w, mode, group):
+    """w quantized in `mode` (q4_1: int4 in groups of 32 relabelled, as a GGUF's kept blocks are)."""
+    if mode == "q4_1":
+        q = quantize(w, "int4", 32)
+        return QuantizedTensor("q4_1", q.q, q.scale, q.min, 32)
+    return quantize(w, mode, group)
+
+
+@pytest.mark.parametrize("mode,group", [("int8", 0), ("q8_0", 32), ("asym8", 16), ("int4", 64), ("int4", 32),
+                                        ("q4_1", 32)])
+@pytest.mark.parametrize("rows,cols,tokens", [(13, 128, 1), (64, 256, 5), (33, 192, 8), (6, 64, 64)])
+def test_quantized_linear_matches_numpy(mode, group, rows, cols, tokens):
+    x, w, rng = data(tokens, rows, cols, seed=rows)
+    qt = quantized(w, mode, group or 64)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    close(KERNELS.linear_q(x, qt), REFERENCE.linear_q(x, qt))
+    close(KERNELS.linear_q(x, qt, bias), REFERENCE.linear_q(x, qt, bias))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_rows_are_batch_invariant(mode):
+    x, w, _ = data(8, 21, 128, seed=5)
+    qt = quantize(w, mode, 32)
+    together = KERNELS.linear_q(x, qt)
+    for t in range(8):
+        assert np.array_equal(KERNELS.linear_q(x[t:t + 1], qt)[0], together[t]), t
+
+
+def test_quantized_numpy_setting_never_calls_the_kernels(monkeypatch):
+    x, w, _ = data(3, 8, 64)
+    qt = quantize(w, "int4", 32)
+    want = REFERENCE.linear_q(x, qt)
+    monkeypatch.setattr(gemm_quant, "gemm_q", lambda *a: pytest.fail("a kernel ran under cpu_kernels = numpy"))
+    assert np.array_equal(REFERENCE.linear_q(x, qt), want)

@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from . import gemm
+from ...quant.formats import quantize
+from . import gemm, gemm_quant
 
 log = logging.getLogger("hpcinfer")
 
@@ -28,8 +29,11 @@ def warm_up() -> float:
     for rows in (5, 6):                                   # odd and even row counts: one signature each kernel
         gemm.fused_gemm(x, np.ones((rows, 8), np.float32), np.ones(rows, np.float32), act="silu",
                         residual=np.ones((3, rows), np.float32) if rows == 5 else None, gated=rows == 6)
+    w = np.arange(64, dtype=np.float32).reshape(4, 16)
+    for mode in ("int8", "int4"):                        # int8 and uint8 q: one signature each
+        gemm_quant.linear_q(np.ones((3, 16), np.float32), quantize(w, mode, group_size=8))
     seconds = time.perf_counter() - start
-    compiled = any(kernel.stats.cache_misses for kernel in gemm.KERNELS)
+    compiled = any(kernel.stats.cache_misses for kernel in gemm.KERNELS + gemm_quant.KERNELS)
     log.info("cpu kernels (numba): %s in %.2f s", "compiled (first run, now cached)" if compiled else
              "loaded from the compile cache", seconds)
     return seconds
