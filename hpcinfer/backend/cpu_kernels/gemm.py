@@ -8,14 +8,16 @@ interleaving the rows ([O/8, I, 8], SIMD over outputs) was tried: Numba's LLVM d
 FMAs per iteration, 4x slower), so there is nothing to repack for float32 weights; quantized weights keep
 quant/formats.py's layout too (gemm_quant.py).
 
-Register blocking: ROWS (4) output rows x TOKENS (2) tokens per block, 8 vector accumulators; the W block (4 rows)
-stays in L1/L2 while every token pair of the step passes over it, so W is read from memory once per call.
+Register blocking: blocks of ROWS (8) output rows, each token pair of the step as two 4-row x 2-token register
+blocks and a last odd token as one 8-row x 1-token block: 8 vector accumulators either way, and no FMA spent on a
+padding token. A block's rows stay in L1/L2 while every token of the step passes over them, so W is read from
+memory once per call.
 
-Batch invariance: every output y[t, o] is summed by the same machine code, whatever T and wherever t sits in the
-step (an odd T is padded with a zero token; O % ROWS rows are computed in a block whose spare rows repeat the
-last row and are not stored), and by one thread (prange over row blocks). So a token's row is the same bits alone
-or among others: static and continuous batching give the same tokens. The order of the sum is LLVM's vectorized
-reduction over I (8 lanes, then a horizontal sum, then the I % 8 tail), fixed by I alone.
+Batch invariance: every output y[t, o] is summed in the same order whatever T and wherever t sits in the step (the
+two register blocks sum alike, tested bit for bit; O % ROWS rows are computed in a block whose spare rows repeat
+the last row and are not stored), and by one thread (prange over row blocks). So a token's row is the same bits
+alone or among others: static and continuous batching give the same tokens. The order of the sum is LLVM's
+vectorized reduction over I (8 lanes, then a horizontal sum, then the I % 8 tail), fixed by I alone.
 
 Shape legend: T=tokens, Tp=tokens padded to TOKENS, I=input features, O=output features, F=gated outputs (O / 2).
 """
@@ -29,8 +31,11 @@ import numpy as np
 from numba import njit, prange
 
 F32 = np.float32
-ROWS = 4              # output rows per register block
-TOKENS = 2            # tokens per register block
+ROWS = 8              # output rows per block: a token pair runs as two 4-row x 2-token register blocks, a last odd
+                      # token as one 8-row x 1-token block; both are 8 accumulators, which LLVM vectorizes with the
+                      # same 8 lanes and no interleave, so they sum in the same order (a 4 x 1 block interleaves by
+                      # 2 and does not): tested bit for bit
+TOKENS = 2            # tokens per register block (the quantized kernels pad an odd step with a zero token)
 FASTMATH = {"reassoc", "contract"}   # reassoc: the vectorized reduction over I; contract: FMA. No nnan/ninf: -inf
                                      # and NaN stay IEEE, as in NumPy.
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
@@ -60,6 +65,49 @@ def _dot4x2(xp, w, o0, o1, o2, o3, t):
     return (s00, s10, s20, s30), (s01, s11, s21, s31)
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def _dot8x1(xp, w, rows, t):
+    """The 8 dot products of rows `rows` (8) of w with token t of xp: the same sums as _dot4x2's."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = F32(0)
+    r0, r1, r2, r3, r4, r5, r6, r7 = rows
+    for k in range(xp.shape[1]):
+        x0 = xp[t, k]
+        s0 += w[r0, k] * x0
+        s1 += w[r1, k] * x0
+        s2 += w[r2, k] * x0
+        s3 += w[r3, k] * x0
+        s4 += w[r4, k] * x0
+        s5 += w[r5, k] * x0
+        s6 += w[r6, k] * x0
+        s7 += w[r7, k] * x0
+    return (s0, s1, s2, s3, s4, s5, s6, s7)
+
+
+@njit(cache=True)
+def _block_rows(o, last):
+    """The 8 rows of the block at row o, the ones past `last` repeating it (computed, never stored)."""
+    return (o, min(o + 1, last), min(o + 2, last), min(o + 3, last), min(o + 4, last), min(o + 5, last),
+            min(o + 6, last), min(o + 7, last))
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _products(xp, w, rows, t, T, out, base):
+    """out[t, base:base + 8] (and out[t + 1, ...] when t + 1 < T) = rows `rows` of w times tokens t (, t + 1),
+    for the columns that exist (out's width)."""
+    n = min(ROWS, out.shape[1] - base)
+    if t + 1 < T:
+        a0, a1 = _dot4x2(xp, w, rows[0], rows[1], rows[2], rows[3], t)
+        b0, b1 = _dot4x2(xp, w, rows[4], rows[5], rows[6], rows[7], t)
+        first, second = a0 + b0, a1 + b1
+        for r in range(n):
+            out[t, base + r] = first[r]
+            out[t + 1, base + r] = second[r]
+    else:
+        single = _dot8x1(xp, w, rows, t)
+        for r in range(n):
+            out[t, base + r] = single[r]
+
+
 @njit(fastmath={"contract"}, cache=True)
 def activate(v, act):
     """One value of Ops.activation (act: ACTIVATIONS code). GELU uses math.erf (NumPy's reference: an A&S fit)."""
@@ -76,7 +124,8 @@ def activate(v, act):
 
 @njit(fastmath={"contract"}, cache=True)
 def padded_rows(x, norm, norm_w, norm_b, eps, xp):
-    """xp[:T] = norm(x) (norm: NORMS code; 0 = a copy), xp[T:] = 0. x [T, I] -> xp [Tp, I]. Sums in float64."""
+    """xp[:T] = norm(x) (norm: NORMS code; 0 = a copy), xp[T:] = 0. x [T, I] -> xp [T or Tp, I]. Sums in
+    float64."""
     T, n = x.shape
     for t in range(T):
         if norm == 0:
@@ -103,19 +152,14 @@ def padded_rows(x, norm, norm_w, norm_b, eps, xp):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def gemm(xp, w, bias, act, residual, out):
-    """out[T, O] = act(xp[:T] @ w.T + bias) + residual. xp [Tp, I] (Tp even, rows past T zero), w [O, I],
-    bias [O] or [0], residual [T, O] or [0, 0]."""
+    """out[T, O] = act(xp @ w.T + bias) + residual. xp [T, I], w [O, I], bias [O] or [0], residual [T, O] or
+    [0, 0]."""
     T, O = out.shape
-    last = O - 1
     for block in prange((O + ROWS - 1) // ROWS):
         o = block * ROWS
-        o1, o2, o3 = min(o + 1, last), min(o + 2, last), min(o + 3, last)
+        rows = _block_rows(o, O - 1)
         for t in range(0, T, TOKENS):
-            first, second = _dot4x2(xp, w, o, o1, o2, o3, t)
-            for r in range(min(ROWS, O - o)):
-                out[t, o + r] = first[r]
-                if t + 1 < T:
-                    out[t + 1, o + r] = second[r]
+            _products(xp, w, rows, t, T, out, o)
         for t in range(T):                                  # the epilogue, on values still in cache
             for r in range(min(ROWS, O - o)):
                 v = out[t, o + r]
@@ -128,35 +172,33 @@ def gemm(xp, w, bias, act, residual, out):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def gemm_gated(xp, w, bias, act, out):
-    """out[T, F] = act(gate) * up with [gate | up] = xp[:T] @ w.T + bias, w [2F, I] (gate rows first)."""
+def gemm_gated(xp, w, bias, act, out, up):
+    """out[T, F] = act(gate) * up with [gate | up] = xp @ w.T + bias, w [2F, I] (gate rows first); up [T, F] is
+    scratch for the up rows' products."""
     T, F = out.shape
-    last = F - 1
     for block in prange((F + ROWS - 1) // ROWS):
         o = block * ROWS
-        o1, o2, o3 = min(o + 1, last), min(o + 2, last), min(o + 3, last)
+        gate_rows = _block_rows(o, F - 1)
+        up_rows = _block_rows(F + o, 2 * F - 1)
         for t in range(0, T, TOKENS):
-            gate0, gate1 = _dot4x2(xp, w, o, o1, o2, o3, t)
-            up0, up1 = _dot4x2(xp, w, F + o, F + o1, F + o2, F + o3, t)
+            _products(xp, w, gate_rows, t, T, out, o)
+            _products(xp, w, up_rows, t, T, up, o)
+        for t in range(T):
             for r in range(min(ROWS, F - o)):
-                g, u = gate0[r], up0[r]
+                g, u = out[t, o + r], up[t, o + r]
                 if bias.size:
                     g, u = g + bias[o + r], u + bias[F + o + r]
                 out[t, o + r] = activate(g, act) * u
-                if t + 1 < T:
-                    g, u = gate1[r], up1[r]
-                    if bias.size:
-                        g, u = g + bias[o + r], u + bias[F + o + r]
-                    out[t + 1, o + r] = activate(g, act) * u
 
 
 KERNELS = (padded_rows, gemm, gemm_gated)        # what compiled.warm_up loads or compiles
 
 
-def padded_input(x, norm=None):
-    """x [T, I] -> xp [Tp, I] float32 C-contiguous, normalized when `norm` (a NormParams) is given."""
+def padded_input(x, norm=None, pad: bool = False):
+    """x [T, I] -> xp [T, I] (pad: [Tp, I], the last row zero when T is odd) float32 C-contiguous, normalized when
+    `norm` (a NormParams) is given."""
     T, n = x.shape
-    xp = np.empty((T + T % TOKENS, n), F32)
+    xp = np.empty((T + (T % TOKENS if pad else 0), n), F32)
     x = np.ascontiguousarray(x, dtype=F32)
     if norm is None:
         padded_rows(x, 0, NONE_1D, NONE_1D, 0.0, xp)
@@ -182,7 +224,7 @@ def fused_gemm(x, w, bias=None, norm=None, act=None, gated=False, residual=None,
     bias = NONE_1D if bias is None else np.ascontiguousarray(bias, dtype=F32)
     if gated:
         out = np.empty((T, w.shape[0] // 2), F32)
-        gemm_gated(xp, w, bias, ACTIVATIONS[act], out)
+        gemm_gated(xp, w, bias, ACTIVATIONS[act], out, np.empty_like(out))
         return out if residual is None else residual + out
     out = np.empty((T, w.shape[0]), F32)
     res = NONE_2D if residual is None else np.ascontiguousarray(residual, dtype=F32)

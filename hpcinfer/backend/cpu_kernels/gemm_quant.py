@@ -19,7 +19,9 @@ import numpy as np
 from numba import njit, prange
 
 from ...quant.formats import QuantizedTensor
-from .gemm import FASTMATH, NONE_1D, NONE_2D, ROWS, TOKENS, padded_input, use_threads
+from .gemm import FASTMATH, NONE_1D, NONE_2D, TOKENS, padded_input, use_threads
+
+ROWS = 4                                                 # output rows per register block
 
 F32 = np.float32
 MODES = ("int8", "q8_0", "asym8", "int4", "q4_1")        # every mode of quant/formats.py
@@ -106,7 +108,7 @@ KERNELS = (gemm_q,)                      # what compiled.warm_up loads or compil
 def linear_q(x, qt, bias=None, threads: int = 1):
     """x [T, I] @ dequantize(qt)^T (+ bias) -> [T, O] float32, qt a QuantizedTensor of MODES."""
     rows, cols = qt.shape
-    xp = padded_input(x)                                             # [Tp, I]
+    xp = padded_input(x, pad=True)                                   # [Tp, I]
     packed = qt.bits == 4
     xe = np.ascontiguousarray(xp[:, 0::2]) if packed else NONE_2D     # [Tp, B]
     xo = np.ascontiguousarray(xp[:, 1::2]) if packed else NONE_2D
