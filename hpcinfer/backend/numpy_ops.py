@@ -103,7 +103,7 @@ class NumpyOps:
         The weight is dequantized QUANT_TILE output rows at a time into one reused float32 buffer per tile shape,
         each tile multiplied right away: never a float copy of the whole weight, none kept between calls.
         cpu_kernels = "numba": dequantized in registers instead (cpu_kernels/gemm_quant.py), up to its crossover."""
-        if self.cpu_kernels == "numba" and gemm_quant.takes(x, qt, gemm.max_tokens(*qt.shape)):
+        if self.cpu_kernels == "numba" and gemm_quant.takes(x, qt, gemm.max_tokens(*qt.shape, quantized=True)):
             return gemm_quant.linear_q(x, qt, bias, self.decode_attention.threads)
         rows, cols = qt.shape
         y = np.empty((x.shape[0], rows), dtype=F32)

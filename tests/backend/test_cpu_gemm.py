@@ -16,6 +16,13 @@ KERNELS = NumpyOps(threads=2, cpu_kernels="numba")             # tiny products: 
 SHAPES = [(1, 1), (5, 3), (13, 67), (64, 128), (33, 97)]          # (out, in): odd, tiny, row counts not of 4
 
 
+@pytest.fixture(autouse=True)
+def kernels_at_every_token_count(monkeypatch):
+    """The kernels run whatever the crossover to BLAS (gemm.max_tokens) is, so that 1..64 tokens test them."""
+    monkeypatch.setattr(gemm, "CROSSOVER", 64)
+    monkeypatch.setattr(gemm, "QUANT_CROSSOVER", 64)
+
+
 def data(tokens, rows, cols, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
@@ -99,10 +106,14 @@ def test_numpy_setting_never_calls_the_kernels(monkeypatch):
 
 def test_past_the_crossover_and_for_other_dtypes_blas_runs(monkeypatch):
     x, w, _ = data(9, 12, 16)
-    monkeypatch.setattr(gemm, "max_tokens", lambda rows, cols: 8)
+    monkeypatch.setattr(gemm, "max_tokens", lambda rows, cols, quantized=False: 8)
     monkeypatch.setattr(gemm, "fused_gemm", lambda *a, **k: pytest.fail("kernel past the crossover"))
     assert np.array_equal(KERNELS.linear(x, w), REFERENCE.linear(x, w))
     assert np.array_equal(KERNELS.linear(x[:2], w.astype(np.float16)), REFERENCE.linear(x[:2], w.astype(np.float16)))
+    qt = quantize(np.ones((12, 64), np.float32), "int8")
+    monkeypatch.setattr(gemm_quant, "gemm_q", lambda *a: pytest.fail("quantized kernel past the crossover"))
+    assert np.array_equal(KERNELS.linear_q(np.ones((9, 64), np.float32), qt),
+                          REFERENCE.linear_q(np.ones((9, 64), np.float32), qt))
 
 
 def test_small_products_run_on_fewer_threads(monkeypatch):

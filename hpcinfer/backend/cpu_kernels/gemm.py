@@ -232,14 +232,31 @@ def fused_gemm(x, w, bias=None, norm=None, act=None, gated=False, residual=None,
     return out
 
 
-# Tokens up to which the compiled GEMM beats BLAS (OpenBLAS through NumPy), measured per shape by
-# bench/scripts/cpu_ops.py (`make bench-ops`, projections table): see max_tokens.
-CROSSOVER = 64
+# Tokens up to which the compiled kernels beat BLAS (OpenBLAS through NumPy). Measured 2026-11-28 on the shared
+# 2-core AMD EPYC (AVX2; load average 11-17 from other jobs, so compute-starved; 1 thread; ms per matrix, >= 64 MB
+# of copies so that weights come from memory, medians of 5 taken in turns, numba / numpy):
+#   float32     T=1          2            4            8            16           32           64
+#   3072x576    4.0/3.0      8.1/15.6     7.4/10.6     8.9/9.4      10.6/10.4    18.3/15.3    33.7/25.1
+#   576x1536    1.4/1.2      2.2/3.3      3.0/3.5      4.1/4.7      6.0/6.1      9.4/8.3      17.9/13.8
+#   49152x576   50/57        63/127       85/139       115/149      184/199      329/305      456/350
+#   int8        T=1          2            4            8            16
+#   3072x576    8.2/7.7      15.3/18.2    16.2/18.0    25.6/17.3    31.9/16.3
+#   576x1536    3.3/4.2      4.3/5.6      7.5/6.8      15.1/6.4     30.4/8.8
+#   49152x576   141/189      87/225       186/284      382/272      946/376
+# float32: ahead from 2 to 8 tokens, even at 16, behind from 32 (OpenBLAS's packed GEMM is the better compute
+# kernel when the cores, not memory, are the limit); 1 token stays compiled although OpenBLAS's gemv was 20% ahead
+# here, so that a token's bits do not depend on the step's size from 1 to CROSSOVER (batch invariance; past it a
+# step runs BLAS). int8 (the NumPy path dequantizes the weight once per call and shares it among the tokens): ahead
+# to 2-4 tokens. Re-measure on a quiet machine with `make bench-ops` (the issue's own quiet-machine trial had a
+# Numba kernel ahead of OpenBLAS up to 64 tokens).
+CROSSOVER = 16
+QUANT_CROSSOVER = 4
 
 
-def max_tokens(rows: int, cols: int) -> int:
-    """The most tokens for which the compiled GEMM is faster than BLAS on a weight [rows, cols]."""
-    return CROSSOVER
+def max_tokens(rows: int, cols: int, quantized: bool = False) -> int:
+    """The most tokens for which the compiled kernel is faster than BLAS on a weight [rows, cols] (float32, or
+    quantized: gemm_quant.py). The measurements above found no dependence on the shape worth a rule."""
+    return QUANT_CROSSOVER if quantized else CROSSOVER
 
 
 def takes(x, w, act=None) -> bool:
