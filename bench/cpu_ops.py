@@ -10,7 +10,7 @@ prefill in transformers, as the issue's prefill target compares them. Then the p
 (gemm_rows), against the read bandwidth and the BLAS's own GEMM peak.
 
     python -m bench.cpu_ops [--batch 8] [--contexts 128,400,1024] [--prefill 16x128,8x414]
-                                             [--gemm 1,2,4,8,16,32]
+                                             [--gemm 1,2,4,8,16,32,64]
 
 Writes bench/results/cpu-ops-<date>.json and .md.
 """
@@ -28,9 +28,11 @@ import numpy as np
 
 from hpcinfer.api import load_model
 from hpcinfer.backend.interface import StepLayout
+from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.generate.paged_cache import PagedKVCache
 from hpcinfer.generate.slot_cache import SlotKVCache
 from hpcinfer.metrics import held_weight_bytes, is_sharded_layer, weight_leaves
+from hpcinfer.quant.formats import quantize
 from hpcinfer.quant.kv import kv_bytes_per_token
 from .chat_workload import CHECKPOINT, GGUF
 from hpcinfer.bench.common import git_commit, logger, machine_info, median
@@ -75,8 +77,8 @@ class Steps:
     """SmolLM2 on the NumPy backend with the continuous schedule's KV store big enough for the runs below: dense
     slots (generate/slot_cache.py, what NumPy runs) or the paged pool."""
 
-    def __init__(self, checkpoint, sequences: int, longest: int, store: str = "slots"):
-        self.model = load_model(str(checkpoint))
+    def __init__(self, checkpoint, sequences: int, longest: int, store: str = "slots", cpu_kernels: str = "auto"):
+        self.model = load_model(str(checkpoint), cpu_kernels=cpu_kernels)
         self.clock = OpClock(self.model.ops)
         m, arch = self.model, self.model.arch
         shape = (m.ops, m.num_local_layers, sequences * -(-longest // BLOCK), m.kv_heads_local, BLOCK, arch.head_dim)
@@ -165,26 +167,59 @@ def _float_matrix(leaf):
     return leaf.w if getattr(leaf, "w", None) is not None else getattr(leaf, "table", None)
 
 
-def gemm_rows(model, tokens: list, repeats: int) -> dict:
+def gemm_rows(model, tokens: list, repeats: int, bandwidth: float, threads: int) -> dict:
     """The projections alone: ops.linear of `tokens` rows over every weight matrix the model holds, per token
-    count (median of `repeats`), as GB/s of weights and GFLOP/s, against the BLAS's float32 GEMM peak on a large
-    square product (2048^3) in the same run: how far a few-row product is from memory- and compute-bound."""
+    count (median of `repeats`), with cpu_kernels = numba and numpy interleaved, as GB/s of weights and GFLOP/s,
+    against the roofline: the larger of the bytes over the read bandwidth and the FLOPs over the BLAS's float32
+    GEMM peak on a large square product (2048^3), both measured in the same run. Then int8 and int4 weights (the
+    same matrices quantized) against float32 at 1 token, numba's linear_q."""
     matrices = weight_matrices(model)
     nbytes = sum(int(w.nbytes) for w in matrices)
     rng = np.random.default_rng(2)
     a, b = (rng.standard_normal((2048, 2048), dtype=np.float32) for _ in range(2))
     peak = 2 * 2048**3 / median(_seconds(lambda: a @ b) for _ in range(repeats)) / 1e9
+    ops = {kind: NumpyOps(threads, kind) for kind in ("numba", "numpy")}
     rows = []
     for t in tokens:
         xs = {n: rng.standard_normal((t, n), dtype=np.float32) for n in {w.shape[1] for w in matrices}}
-        run = lambda: [model.ops.linear(xs[w.shape[1]], w) for w in matrices]      # noqa: E731
-        run()
-        seconds = median(_seconds(run) for _ in range(repeats))
-        gflops = 2 * t * nbytes / 4 / seconds / 1e9
-        rows.append({"tokens": t, "ms": seconds * 1e3, "weight_GBps": nbytes / seconds / 1e9, "GFLOPs": gflops,
-                     "peak_share": gflops / peak})
-        log(f"projections of {t} tokens: {seconds * 1e3:.1f} ms")
-    return {"weight_bytes": nbytes, "matrices": len(matrices), "peak_GFLOPs": peak, "rows": rows}
+        runs = {kind: (lambda o=o: [o.linear(xs[w.shape[1]], w) for w in matrices]) for kind, o in ops.items()}
+        times = _interleaved(runs, repeats)
+        flops = 2 * t * nbytes / 4
+        roofline = max(nbytes / bandwidth / 1e9, flops / peak / 1e9)
+        row = {"tokens": t, "roofline_ms": roofline * 1e3}
+        for kind, seconds in times.items():
+            row[kind] = {"ms": seconds * 1e3, "weight_GBps": nbytes / seconds / 1e9, "GFLOPs": flops / seconds / 1e9,
+                         "roofline_share": roofline / seconds}
+        rows.append(row)
+        log(f"projections of {t} tokens: numba {times['numba'] * 1e3:.1f} ms, numpy {times['numpy'] * 1e3:.1f} ms, "
+            f"roofline {roofline * 1e3:.1f} ms")
+    return {"weight_bytes": nbytes, "matrices": len(matrices), "peak_GFLOPs": peak, "rows": rows,
+            "quantized_1_token": quantized_row(matrices, ops["numba"], repeats, rng)}
+
+
+def quantized_row(matrices, ops, repeats: int, rng) -> dict:
+    """1 token through the projections: float32 (ops.linear) against int8 and int4 g64 (ops.linear_q) -> ms and
+    bytes of weights of each, interleaved."""
+    weights = {"float32": matrices, "int8": [quantize(w, "int8") for w in matrices],
+               "int4": [quantize(w, "int4", 64) for w in matrices if w.shape[1] % 64 == 0]}
+    xs = {n: rng.standard_normal((1, n), dtype=np.float32) for n in {w.shape[1] for w in matrices}}
+    runs = {"float32": lambda: [ops.linear(xs[w.shape[1]], w) for w in matrices]}
+    for mode in ("int8", "int4"):
+        runs[mode] = lambda mode=mode: [ops.linear_q(xs[q.shape[1]], q) for q in weights[mode]]
+    times = _interleaved(runs, repeats)
+    return {mode: {"ms": times[mode] * 1e3, "weight_bytes": sum(int(w.nbytes) for w in weights[mode]),
+                   "matrices": len(weights[mode])} for mode in runs}
+
+
+def _interleaved(runs: dict, repeats: int) -> dict:
+    """Median seconds of each named run, after one warm-up each, taken in turns (ABAB: drift hits all alike)."""
+    for fn in runs.values():
+        fn()
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            times[name].append(_seconds(fn))
+    return {name: median(t) for name, t in times.items()}
 
 
 def _seconds(fn) -> float:
@@ -195,7 +230,8 @@ def _seconds(fn) -> float:
 
 def report(result: dict) -> str:
     lines = [f"# One step of the NumPy backend, op by op, {result['date']}", "",
-             f"SmolLM2-135M float32, KV store {result['store']} (blocks of {BLOCK}); {result['machine'].get('cpu_model')}, "
+             f"SmolLM2-135M float32, KV store {result['store']} (blocks of {BLOCK}), cpu_kernels "
+             f"{result.get('cpu_kernels', 'numpy')}; {result['machine'].get('cpu_model')}, "
              f"{result['machine'].get('cpus_usable')} cores, {result['threads']} BLAS threads; commit "
              f"{result['commit']}. Read bandwidth {result['bandwidth_GBps']:.1f} GB/s (the best of "
              + ", ".join(f"{k} {v:.1f}" for k, v in result.get("bandwidth_kernels_GBps", {}).items())
@@ -221,12 +257,20 @@ def report(result: dict) -> str:
     if gemm:
         lines += ["", f"Projections alone (ops.linear over the {gemm['matrices']} weight matrices, "
                   f"{gemm['weight_bytes'] / 1e6:.0f} MB; the BLAS's float32 GEMM peak on 2048^3: "
-                  f"{gemm['peak_GFLOPs']:.0f} GFLOP/s):", "",
-                  "| tokens | ms | weight GB/s | share of read bandwidth | GFLOP/s | share of GEMM peak |",
-                  "|---|---|---|---|---|---|"]
+                  f"{gemm['peak_GFLOPs']:.0f} GFLOP/s; roofline = max(bytes / read bandwidth, FLOPs / peak)):", "",
+                  "| tokens | roofline ms | numba ms | numba GB/s | numba share of roofline | numpy ms | numpy GB/s "
+                  "| numpy share of roofline |", "|---|---|---|---|---|---|---|---|"]
         for r in gemm["rows"]:
-            lines.append(f"| {r['tokens']} | {r['ms']:.1f} | {r['weight_GBps']:.1f} | {r['weight_GBps'] / bw:.0%} | "
-                         f"{r['GFLOPs']:.0f} | {r['peak_share']:.0%} |")
+            cells = [f"{r[k]['ms']:.1f} | {r[k]['weight_GBps']:.1f} | {r[k]['roofline_share']:.0%}"
+                     for k in ("numba", "numpy")]
+            lines.append(f"| {r['tokens']} | {r['roofline_ms']:.1f} | {cells[0]} | {cells[1]} |")
+        quant = gemm.get("quantized_1_token")
+        if quant:
+            lines += ["", "1 token, numba: float32 against quantized weights (int4: the matrices whose inputs divide "
+                      "into groups of 64):", "", "| weights | matrices | MB | ms | GB/s of weights |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {mode} | {q['matrices']} | {q['weight_bytes'] / 1e6:.0f} | {q['ms']:.1f} | "
+                      f"{q['weight_bytes'] / q['ms'] / 1e6:.1f} |" for mode, q in quant.items()]
     return "\n".join(lines + [""])
 
 
@@ -236,17 +280,19 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="128,400,1024")
     p.add_argument("--prefill", default="16x128,8x414")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--gemm", default="1,2,4,8,16,32",
+    p.add_argument("--gemm", default="1,2,4,8,16,32,64",
                    help="token counts of the projections-alone table (\"\" = none)")
     p.add_argument("--store", choices=("slots", "paged"), default="slots",
                    help="the KV store: NumPy's dense slots (what `hpcinfer run` uses) or the paged pool")
+    p.add_argument("--cpu-kernels", choices=("auto", "numba", "numpy"), default="auto",
+                   help="[runtime] cpu_kernels of the decode and prefill steps (the projections table runs both)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     shapes = [tuple(int(v) for v in x.split("x")) for x in args.prefill.split(",") if x]     # "" = no prefill
     longest = max(contexts + [n for _, n in shapes]) + 2
-    steps = Steps(CHECKPOINT, max([args.batch] + [b for b, _ in shapes]), longest, args.store)
+    steps = Steps(CHECKPOINT, max([args.batch] + [b for b, _ in shapes]), longest, args.store, args.cpu_kernels)
     bw = Bandwidth(2**30)
     bw.run(1)
     kernels = {k: bw.nbytes / median(t) / 1e9 for k, t in bw.run(4).items()}      # GB/s, median of 4 per kernel
@@ -254,9 +300,11 @@ def main(argv=None) -> int:
     bw.release()
     result = {"schema": "hpcinfer-bench-cpu-ops/1", "date": _dt.date.today().isoformat(), "commit": git_commit(),
               "machine": machine_info(), "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)),
-              "bandwidth_GBps": bandwidth, "bandwidth_kernels_GBps": kernels, "store": args.store}
+              "bandwidth_GBps": bandwidth, "bandwidth_kernels_GBps": kernels, "store": args.store,
+              "cpu_kernels": steps.model.ops.cpu_kernels}
     result["decode"] = decode_rows(steps, args.batch, contexts, args.repeats)
-    result["gemm"] = gemm_rows(steps.model, [int(x) for x in args.gemm.split(",") if x], args.repeats)
+    result["gemm"] = gemm_rows(steps.model, [int(x) for x in args.gemm.split(",") if x], args.repeats, bandwidth,
+                               result["threads"])
     hf = None if args.no_hf else Transformers(str(GGUF))
     result["prefill"] = prefill_rows(steps, shapes, args.repeats, hf)
     write_results(args.out, "cpu-ops", result, report(result), log)

@@ -33,17 +33,19 @@ from .quant.storage import load_quant
 def load_model(path: str, groups: Groups | None = None, dtype: str = "float32", backend: str = "numpy",
                quantize: str = "none", group_size: int | None = None, embedding: str = "int8",
                kv_cache: str = "none", kv_cache_group: int = 64, attention_topk: float = 0.0,
-               device: int = 0) -> Decoder:
+               device: int = 0, cpu_kernels: str = "auto") -> Decoder:
     """quantize: "int8" | "int4" | "asym8" quantizes a float checkpoint (or a --keep-quantized one) while loading;
     group_size None: the source's block grid, else 64; embedding: int4's embedding / LM head at 8 bits ("int8") or
     int4 ("same") (docs/quantization.md). kv_cache, kv_cache_group: `[model] kv_cache` and `kv_cache_group`;
-    attention_topk: `[generate] attention_topk`. device: the GPU of backend "cupy"."""
+    attention_topk: `[generate] attention_topk`. device: the GPU of backend "cupy". cpu_kernels: `[runtime]
+    cpu_kernels` (auto | numba | numpy)."""
     with open_checkpoint(path) as ckpt:
         quant = load_quant(ckpt, quantize, group_size, embedding)
         kv = kv_format(kv_cache, kv_cache_group, ckpt.arch.head_dim)
         kv_dtype = dtype if dtype in ("float16", "bfloat16") else "float32"     # [model] kv_dtype = "auto"
-        return Decoder(make_ops(backend, device, kv_dtype=kv_dtype), groups or Groups(), ckpt.arch, dtype,
-                       kv_format=kv, attention_topk=attention_topk).load(ckpt, quantize=quant)
+        ops = make_ops(backend, device, cpu_kernels=cpu_kernels, kv_dtype=kv_dtype)
+        return Decoder(ops, groups or Groups(), ckpt.arch, dtype, kv_format=kv,
+                       attention_topk=attention_topk).load(ckpt, quantize=quant)
 
 
 def prompt_logits(model: Decoder, prompts: list) -> np.ndarray:

@@ -14,10 +14,13 @@ import functools
 import numpy as np
 
 from ..quant.formats import dequantize, slice_rows, take_rows
-from . import kv_attention, moe_ops, paged_attention
+from . import cpu_kernels, kv_attention, moe_ops, paged_attention
 from .numpy_decode import DecodeAttention, usable_cores
 from .interface import StepLayout, unfused_linear
 from .transfer import HostCopies
+
+if cpu_kernels.NUMBA_ERROR is None:                  # else cpu_kernels.resolve never lets "numba" through
+    from .cpu_kernels import compiled, gemm, gemm_quant
 
 F32 = np.float32
 SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
@@ -37,6 +40,8 @@ class NumpyOps:
         compiled kernels of backend/cpu_kernels where they exist) or "numpy" (NumPy/BLAS only, the reference)."""
         self.cpu_kernels = cpu_kernels
         self.decode_attention = DecodeAttention(usable_cores() if threads is None else threads)
+        if cpu_kernels == "numba":          # the kernels run on the same `threads` as BLAS, never at once with it
+            compiled.warm_up()
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
@@ -59,7 +64,10 @@ class NumpyOps:
     # ---- dense math --------------------------------------------------------------------------------------------
     def linear(self, x, w, bias=None):
         """x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out]. For a few tokens, `(w @ x.T).T` lets OpenBLAS
-        stream the row-major weight once (20-25% faster at 4-16 tokens than `x @ w.T`, bench/results/)."""
+        stream the row-major weight once (20-25% faster at 4-16 tokens than `x @ w.T`, bench/results/).
+        cpu_kernels = "numba": the compiled GEMM (cpu_kernels/gemm.py) up to its measured crossover in tokens."""
+        if self.cpu_kernels == "numba" and gemm.takes(x, w):
+            return gemm.fused_gemm(x, w, bias, threads=self.decode_attention.threads)
         if w.dtype != F32:
             w = w.astype(F32)
         y = (w @ x.T).T if x.shape[0] <= SMALL_BATCH else x @ w.T
@@ -76,7 +84,10 @@ class NumpyOps:
         gated: act(gate) * up of a [T, 2F] gate/up product, as gated_activation). Here the unfused sequence of the
         ops the model used to call one by one, so results are bit-identical to them; CupyOps runs it as one
         kernel (cuda_src/fused_norm_gemv.cu, sbi_gemv.cu) for a few tokens. The residual is added in place into
-        the product (a new array of ours) when that is C-contiguous; a sum either way round is the same float."""
+        the product (a new array of ours) when that is C-contiguous; a sum either way round is the same float.
+        cpu_kernels = "numba": one compiled kernel (cpu_kernels/gemm.py) up to its crossover in tokens."""
+        if self.cpu_kernels == "numba" and gemm.takes(x, w, act):
+            return gemm.fused_gemm(x, w, bias, norm, act, gated, residual, self.decode_attention.threads)
         y = unfused_linear(self, x, w, bias, norm, act, gated)
         if residual is None:
             return y
@@ -86,13 +97,18 @@ class NumpyOps:
         return residual + y                                  # y a transposed view (<= SMALL_BATCH tokens)
 
     def prepare_quantized(self, qt):
-        """A QuantizedTensor as linear_q / embedding_q take it: on the host, itself (CupyOps re-lays it)."""
-        return qt
+        """A QuantizedTensor as linear_q / embedding_q take it: on the host, itself (CupyOps re-lays it); with
+        cpu_kernels = "numba", its arrays C-contiguous (once, at load: a transposed read of a row-parallel weight
+        may not be), as the compiled kernel reads them."""
+        return gemm_quant.contiguous(qt) if self.cpu_kernels == "numba" else qt
 
     def linear_q(self, x, qt, bias=None):
         """x [T, in] @ dequantize(qt)[out, in].T (+ bias) -> [T, out] for a QuantizedTensor (quant/formats.py).
         The weight is dequantized QUANT_TILE output rows at a time into one reused float32 buffer per tile shape,
-        each tile multiplied right away: never a float copy of the whole weight, none kept between calls."""
+        each tile multiplied right away: never a float copy of the whole weight, none kept between calls.
+        cpu_kernels = "numba": dequantized in registers instead (cpu_kernels/gemm_quant.py), up to its crossover."""
+        if self.cpu_kernels == "numba" and gemm_quant.takes(x, qt, gemm.max_tokens(*qt.shape, quantized=True)):
+            return gemm_quant.linear_q(x, qt, bias, self.decode_attention.threads)
         rows, cols = qt.shape
         y = np.empty((x.shape[0], rows), dtype=F32)
         for start in range(0, rows, QUANT_TILE):

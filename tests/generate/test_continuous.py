@@ -181,3 +181,12 @@ def test_slot_store_orders_decode_rows_by_slot_and_a_new_one_last(model):
     cache.tables.release("x")
     cache.tables.grow("z", 3)                              # z takes slot 0 again
     assert [cache.row_order(s) for s in ("z", "y", "new")] == [0, 1, 3]
+
+
+def test_tokens_equal_static_batching_with_compiled_kernels():
+    """The same under `[runtime] cpu_kernels = "numba"` (backend/cpu_kernels: each token's projections sum in an
+    order that does not depend on the step it is in, up to the crossover to BLAS)."""
+    model = Decoder(NumpyOps(cpu_kernels="numba"), Groups(), ARCH).load(PresetSource("tiny-dense", ARCH))
+    ps, params = prompts(), GenerationParams(12, ignore_eos=True)
+    got, _ = continuous(model, ps, params)
+    assert got == static(model, ps, params)

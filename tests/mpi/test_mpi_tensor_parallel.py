@@ -43,3 +43,18 @@ def test_tensor_parallel_matches_single_rank(checkpoints, variant, tp):
     prompts = [np.random.default_rng(n).integers(0, reference.arch.vocab_size, n).tolist() for n in LENGTHS]
     assert np.abs(prompt_logits(sharded, prompts) - prompt_logits(reference, prompts)).max() < 1e-4
     assert generate(sharded, prompts, 8) == generate(reference, prompts, 8)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("cpu_kernels", ["numpy", "numba"])
+def test_tensor_parallel_under_each_cpu_kernel_setting(checkpoints, cpu_kernels):
+    """tp = 2 against one rank with `[runtime] cpu_kernels` named (the test above runs the default), on llama."""
+    if world().Get_size() % 2:
+        pytest.skip("tp=2 needs an even number of ranks")
+    path = checkpoints["llama"]
+    reference = load_model(path, cpu_kernels=cpu_kernels)
+    sharded = load_model(path, groups=tp_groups(2), cpu_kernels=cpu_kernels)
+    assert sharded.ops.cpu_kernels == cpu_kernels
+    prompts = [np.random.default_rng(n).integers(0, reference.arch.vocab_size, n).tolist() for n in LENGTHS]
+    assert np.abs(prompt_logits(sharded, prompts) - prompt_logits(reference, prompts)).max() < 1e-4
+    assert generate(sharded, prompts, 8) == generate(reference, prompts, 8)
