@@ -135,9 +135,9 @@ class DecodeGraph:
       compiles kernels and lets the pool allocate), then captures, then replays, so the KV append happens twice at
       the same position with the same values;
     - no cuBLAS: CuPy refuses any cuBLAS call while a stream captures (NotImplementedError). A key whose warm-up
-      called cuBLAS (`CupyOps.library_calls` moved: the step left the cuda_src/ kernels, e.g. more than
-      SBI_MAX_TOKENS sequences, GQA groups or head dims past the attention kernel's limits, quantized weights on
-      the tiled path) is never captured: it runs eagerly from then on (`eager_keys`, `eager_steps`), said once in
+      called cuBLAS (`CupyOps.library_calls` moved: the step left the cuda_src/ kernels, e.g. more than 64
+      sequences (cupy_tc_gemm.TC_MAX_TOKENS; more than SBI_MAX_TOKENS with float32 weights), GQA groups or head
+      dims past the attention kernel's limits, quantized weights on the tiled path) is never captured: it runs eagerly from then on (`eager_keys`, `eager_steps`), said once in
       the log. So does a key whose capture fails for any other reason (logged with the error): a graph never
       ends a job;
     - collectives inside are allowed only over NCCL (they are captured on the capture stream; every rank of the

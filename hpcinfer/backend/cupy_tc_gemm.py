@@ -163,6 +163,8 @@ def fused_linear(ops, x, w, bias=None, norm=None, act=None, gated=False, residua
     ncols = out // 2 if gated else out
     if token_bucket(x.shape[0]) is None or not _params_ok(ops, x, n_in, out, ncols, bias, norm, residual):
         return None
+    if plan(x.shape[0], n_in, out, storage, _sm_count(ops), act=act, gated=gated) is None:
+        return None                                  # decided before any norm kernel runs
     if norm is not None and x.shape[0] > NORM_FUSE_MAX_TOKENS:
         x = ops.rms_norm(x, norm.weight, norm.eps) if norm.kind == "rmsnorm" else \
             ops.layer_norm(x, norm.weight, norm.bias, norm.eps)

@@ -3,8 +3,8 @@
 1. The launch choice, pure Python: token buckets, what the kernel declines, the shared-memory fit (the kernel's
    static_assert, in Python), split-K only where the column blocks leave SMs idle.
 2. On the CPU stand-in of cupy (tests/helpers/emu_cupy/: the kernels run on the emulator): CupyOps.linear and
-   fused_linear route 2 .. 64 tokens of 16-bit weights to tc_gemm, 1 token to the SBI GEMV, 65 to cuBLAS, each
-   against NumpyOps.
+   fused_linear route 2 .. 64 tokens of 16-bit weights to tc_gemm, 1 token to the SBI GEMV, 65 to cuBLAS, and
+   linear_q 2 .. 64 tokens to tc_quant_gemm, each against NumpyOps (slow: a g++ build per define set).
 3. Under stream capture: a linear of up to 64 tokens calls no cuBLAS (the stand-in still refuses cuBLAS there, as
    CuPy does), and a tiny float16 Llama's decode steps of 33 sequences are captured and replayed with NumPy's tokens.
 """
@@ -105,6 +105,7 @@ def _weights(rng, shape, dtype):
                                             (64, "bfloat16", "tc"), (65, "float16", "cublas"),
                                             (3, "float32", "sbi"), (17, "float32", "cublas")])
 @needs_emulator
+@pytest.mark.slow
 def test_linear_routes_by_tokens_and_dtype(routed, T, dtype, path):
     ops, paths = routed
     rng = np.random.default_rng(T)
@@ -118,6 +119,7 @@ def test_linear_routes_by_tokens_and_dtype(routed, T, dtype, path):
 @pytest.mark.parametrize("T, kind, gated, act", [(3, "rmsnorm", True, "silu"), (20, "layernorm", False, "gelu"),
                                                  (2, None, False, None)])
 @needs_emulator
+@pytest.mark.slow
 def test_fused_linear_on_tensor_cores_matches_numpy(routed, T, kind, gated, act):
     ops, paths = routed
     rng = np.random.default_rng(T + 7)
@@ -198,6 +200,7 @@ def test_decode_steps_of_33_float16_sequences_are_captured(emu_cupy):
 
 @pytest.mark.parametrize("mode, group", [("int8", 64), ("int4", 32)])
 @needs_emulator
+@pytest.mark.slow
 def test_linear_q_routes_2_to_64_tokens_to_tensor_cores(emu_cupy, monkeypatch, mode, group):
     from hpcinfer.backend.cupy_ops import CupyOps
     from hpcinfer.quant.formats import quantize

@@ -197,14 +197,16 @@ def _close(got, ref, tol):
 
 # (storage, T, n_in, out, defines, splits): token buckets 8 .. 64, row and column tails, several stages and x
 # tiles, split-K into whole stages (also an empty last split), 1 to 4 warps, 2 m-tiles a warp.
+SLOW = pytest.mark.slow      # a g++ build per define set (~10 s on 2 shared cores): the matrix runs with the slow tests
 SHAPES = [
     ("__half", 2, 128, 64, {"MAX_TOKENS": 8}, 1),
-    ("__half", 5, 192, 80, {"MAX_TOKENS": 8, "WARPS": 2, "XK": 64}, 1),
-    ("__nv_bfloat16", 8, 256, 48, {"MAX_TOKENS": 8, "WARPS": 1, "STAGES": 2}, 2),
-    ("__half", 13, 320, 72, {"MAX_TOKENS": 16, "MT": 2, "WARPS": 2, "XK": 128}, 3),
-    ("__nv_bfloat16", 32, 112, 40, {"MAX_TOKENS": 32, "WARPS": 2, "XK": 128, "STAGES": 3}, 1),
+    pytest.param("__half", 5, 192, 80, {"MAX_TOKENS": 8, "WARPS": 2, "XK": 64}, 1, marks=SLOW),
+    pytest.param("__nv_bfloat16", 8, 256, 48, {"MAX_TOKENS": 8, "WARPS": 1, "STAGES": 2}, 2, marks=SLOW),
+    pytest.param("__half", 13, 320, 72, {"MAX_TOKENS": 16, "MT": 2, "WARPS": 2, "XK": 128}, 3, marks=SLOW),
+    pytest.param("__nv_bfloat16", 32, 112, 40, {"MAX_TOKENS": 32, "WARPS": 2, "XK": 128, "STAGES": 3}, 1,
+                 marks=SLOW),
     ("__half", 64, 128, 32, {"MAX_TOKENS": 64, "WARPS": 2, "XK": 64, "STAGES": 2}, 2),
-    ("__half", 3, 208, 16, {"MAX_TOKENS": 8, "WARPS": 1}, 3),      # 4 stages over 3 splits: the last one empty
+    pytest.param("__half", 3, 208, 16, {"MAX_TOKENS": 8, "WARPS": 1}, 3, marks=SLOW),   # 4 stages, 3 splits: one empty
 ]
 
 
@@ -218,6 +220,7 @@ def test_tc_gemm_matches_numpy(rng, storage, T, n_in, out, defines, splits):
 
 
 @pytest.mark.parametrize("storage", ["__half", "__nv_bfloat16"])
+@pytest.mark.slow
 def test_tc_gemm_without_x_split_rounds_x_once(rng, storage):
     dtype = np.float16 if storage == "__half" else BF16
     T, n_in, out = 6, 192, 48
@@ -231,12 +234,12 @@ def test_tc_gemm_without_x_split_rounds_x_once(rng, storage):
 
 # (T, defines, splits): bias, every activation, gated with bias, residual, RMSNorm and LayerNorm (+ bias) fused.
 EPILOGUES = [
-    (4, {"HAS_BIAS": 1, "ACT": 1}, 1),
-    (7, {"ACT": 2, "HAS_RESIDUAL": 1}, 2),
+    pytest.param(4, {"HAS_BIAS": 1, "ACT": 1}, 1, marks=SLOW),
+    pytest.param(7, {"ACT": 2, "HAS_RESIDUAL": 1}, 2, marks=SLOW),
     (9, {"MAX_TOKENS": 16, "GATED": 1, "ACT": 4, "HAS_BIAS": 1, "STAGES": 2}, 2),
     (3, {"GATED": 1, "ACT": 3, "HAS_RESIDUAL": 1, "NORM": 1, "STAGES": 2}, 1),
-    (16, {"MAX_TOKENS": 16, "NORM": 2, "HAS_BIAS": 1, "XK": 64}, 1),
-    (5, {"NORM": 2, "NORM_BIAS": 0, "ACT": 4}, 2),
+    pytest.param(16, {"MAX_TOKENS": 16, "NORM": 2, "HAS_BIAS": 1, "XK": 64}, 1, marks=SLOW),
+    pytest.param(5, {"NORM": 2, "NORM_BIAS": 0, "ACT": 4}, 2, marks=SLOW),
 ]
 
 
@@ -302,10 +305,10 @@ def run_tc_quant_gemm(x, qt, defines, splits=1, bias=None):
 # (mode, group, T, n_in, out, defines, splits): per-channel int8, int4 in groups of 32 / 64, asym8, row and input
 # tails, split-K.
 QUANT_CASES = [
-    ("int8", 0, 5, 192, 48, {"WARPS": 2}, 1),
-    ("int4", 64, 12, 256, 40, {"MAX_TOKENS": 16, "WARPS": 2, "STAGES": 3}, 2),
+    pytest.param("int8", 0, 5, 192, 48, {"WARPS": 2}, 1, marks=SLOW),
+    pytest.param("int4", 64, 12, 256, 40, {"MAX_TOKENS": 16, "WARPS": 2, "STAGES": 3}, 2, marks=SLOW),
     ("int4", 32, 3, 224, 33, {"WARPS": 1}, 3),     # 7 vectors a row: the last stage's second one zero-filled
-    ("asym8", 32, 33, 128, 64, {"MAX_TOKENS": 64, "WARPS": 2, "XK": 64, "STAGES": 2}, 1),
+    pytest.param("asym8", 32, 33, 128, 64, {"MAX_TOKENS": 64, "WARPS": 2, "XK": 64, "STAGES": 2}, 1, marks=SLOW),
 ]
 
 
