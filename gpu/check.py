@@ -22,6 +22,11 @@ failure or the device tool's kill loses nothing:
   memcheck  memcheck.xml (junit) and its ERROR SUMMARY in summary.json: compute-sanitizer memcheck over the
             kernels' op cases, with CuPy's pool off (HPCINFER_SANITIZE=1: every array its own allocation)
   smollm2   smollm2.xml (junit): the real SmolLM2 against NumPy, when a converted checkpoint was carried
+  gemm      issue 29's kernel sweeps, each a child under its own budget (SWEEP_BUDGET_S, cut to the time left):
+  attention the small-batch GEMMs (GEMV, tensor-core tc_gemm, torch's cuBLAS) on gpt2-1.5b's and a Llama-3.1-8B
+            layer's shapes at T = 1..64 (bench/gpu_gemm.py), decode attention alone, dense and paged, float16 and
+            float32 KV, context 128/1024/4096 (bench/gpu_attention.py), each against the copy bandwidth of the same
+            run; their results go into summary.json under the step, as the scenarios' do
   flexgen   issue 32's paper scenarios (gpu/scenarios.py), each a child under its own budget (scenarios.BUDGET_S,
   zero      under 3 minutes each, cut to the time left): FlexGen on OPT-30B's shapes under a 16 GB budget,
   moe       ZeRO-Inference streaming at batch 1..64, DeepSpeed-MoE decode (Mixtral-8x7B's shapes,
@@ -55,7 +60,8 @@ REPO = Path(__file__).resolve().parent.parent
 CARRY = REPO / ".carry" / "gpu-check"          # made by `make gpu-carry` (gpu/carry.py)
 MPI_DIR = Path(tempfile.gettempdir()) / "hpcinfer-mpich"
 SITE_DIR = Path(tempfile.gettempdir()) / "hpcinfer-site"
-STEPS = ("mpi", "env", "ops", "e2e", "decode", "memcheck", "smollm2", "flexgen", "zero", "moe")
+STEPS = ("mpi", "env", "ops", "e2e", "decode", "memcheck", "smollm2", "gemm", "attention", "flexgen", "zero", "moe")
+SWEEPS = ("gemm", "attention")                # issue 29's kernel sweeps (bench/gpu_gemm.py, bench/gpu_attention.py)
 SCENARIOS = ("flexgen", "zero", "moe")        # issue 32's paper scenarios (gpu/scenarios.py): results in summary.json
 # What comes back (the device tool returns 8 files at most): each step's result file, the summary and the log.
 FILES = {"env": "env.json", "ops": "ops.xml", "e2e": "e2e.xml", "decode": "decode.json", "memcheck": "memcheck.xml",
@@ -292,6 +298,35 @@ def step_smollm2(check: Check) -> dict:
     cmd = check.pytest(FILES["smollm2"], "tests/backend/test_cupy_ops.py", "-k", "smollm2 or cli_run")
     rc, _, _ = check.run("smollm2", cmd, 300, env={"HPCINFER_SMOLLM2": str(model)})
     return {"rc": rc, "file": FILES["smollm2"]}
+
+
+SWEEP_BUDGET_S = {"gemm": 90, "attention": 60}
+SWEEP_ARGS = {   # (module, its output file, the arguments on a GPU, the arguments of the stand-in's rehearsal)
+    "gemm": ("bench.gpu_gemm", "gpu-gemm.json", [],
+             ["--shapes", "tiny-dense", "--tokens", "1,3", "--copy-mb", "1", "--spill-mb", "1"]),
+    "attention": ("bench.gpu_attention", "gpu-attention.json", [], ["--quick", "--copy-mb", "1"]),
+}
+
+
+def step_sweep(check: Check, name: str) -> dict:
+    """An issue-29 kernel sweep under its own budget; its JSON goes into summary.json under the step."""
+    module, file, real, fake = SWEEP_ARGS[name]
+    work = Path(tempfile.mkdtemp(prefix=f"sweep-{name}-"))
+    budget = min(SWEEP_BUDGET_S[name], max(1.0, check.left() - 5))
+    args = ["-m", module, "--out", str(work), *(fake if check.fake else real)]
+    args += ["--budget", f"{budget - 10:.0f}"] if name == "gemm" else []
+    rc, _, timed_out = check.run(name, check.python(*args), budget)
+    path = work / file
+    results = json.loads(path.read_text()) if path.exists() else None
+    return {"rc": rc, "results": results, "note": "timed out" if timed_out else ""}
+
+
+def step_gemm(check: Check) -> dict:
+    return step_sweep(check, "gemm")
+
+
+def step_attention(check: Check) -> dict:
+    return step_sweep(check, "attention")
 
 
 def step_scenario(check: Check, name: str) -> dict:

@@ -47,9 +47,22 @@ def test_rehearsal_writes_each_steps_file(tmp_path):
     assert "| e2e | 0 |" in text and "tiny-dense x2:" in text
 
 
+def test_issue_29_sweeps_report_into_the_summary(tmp_path):
+    """The kernel sweeps (bench/gpu_gemm.py, bench/gpu_attention.py) run as steps on the stand-in, with no file of
+    their own: their rows land in summary.json under the step."""
+    out = tmp_path / "out"
+    assert gpu_check.main(["--fake", "--steps", "gemm,attention", "--out", str(out),
+                           "--carry", str(tmp_path / "none")]) == 0
+    steps = summary(out)["steps"]
+    assert [steps[name]["rc"] for name in gpu_check.SWEEPS] == [0, 0]
+    assert steps["gemm"]["results"]["rows"] and steps["attention"]["results"]["rows"]
+    assert steps["gemm"]["results"]["copy_GBps"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["log.txt", "summary.json"]
+
+
 def test_what_comes_back_fits_the_device_tool():
     """Every step's file, the summary and the log: at most 8 files, one per step that makes one."""
-    assert set(gpu_check.FILES) == set(gpu_check.STEPS) - {"mpi", *gpu_check.SCENARIOS}   # those: summary.json
+    assert set(gpu_check.FILES) == set(gpu_check.STEPS) - {"mpi", *gpu_check.SWEEPS, *gpu_check.SCENARIOS}  # summary
     assert len(set(gpu_check.FILES.values()) | set(gpu_check.ALWAYS)) <= RETURNED_AT_MOST
 
 
