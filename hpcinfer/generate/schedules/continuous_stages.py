@@ -36,11 +36,8 @@ class StageStep:
         """-> the reply to stage 0 on the last stage ({"ids", "tokens", "finish"} of the sampled rows), else the
         activations [T, D] for the next stage."""
         layout = header["layout"]                         # the first stage's StepLayout (paged, or dense slots)
-        t0 = time.perf_counter()
         out = self.runner.step(self.cache, layout, inputs, self.graphs)
-        reply = self._sample(header, out) if self.runner.model.stage.is_last else out
-        self.times.busy_s += time.perf_counter() - t0
-        return reply
+        return self._sample(header, out) if self.runner.model.stage.is_last else out
 
     def _sample(self, header: dict, logits) -> dict:
         rows = header["sample"]
