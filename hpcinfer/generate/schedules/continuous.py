@@ -305,17 +305,18 @@ def run_continuous(runner: Runner, prompts: list, indices: list, times: StepTime
 
 def run_sequences(runner: Runner, seqs: list, times: StepTimes, params: ContinuousParams, cache,
                   after_step=lambda finished: False, name=lambda index: f"prompt {index}", lockstep=None,
-                  graphs=None, link=None, end_round=None, groups=None) -> list:
+                  graphs=None, link=None, end_round=None, groups=None, prompt_logits=None) -> list:
     """Generate for `seqs` under `params`' policy over `cache` (a kv_store.KVStore). On the first stage, every
     step's finished sequences go to `after_step` (the replica's commit points, replica.CommitPoints) as they end.
     With pp > 1 (`link`, a comm.pipeline.StageLink) the later stages serve the steps and call end_round(their
     finished results) at each commit point; the last stage returns the results it did not hand to end_round.
     name(index): how an error names a prompt. lockstep: the dp group of MoE replicas, which step together.
     graphs: the captured paged decode steps over `cache` (generate/graphs.paged_decode_graphs), or None. groups:
-    under the static policy, the sizes of the batches `seqs` enter in (default: batch_size at a time)."""
+    under the static policy, the sizes of the batches `seqs` enter in (default: batch_size at a time).
+    prompt_logits: a dict the last stage fills with each sequence's first-token logits [V], by index."""
     check_fits(seqs, cache, name)
     runner.times = times                                # the run's steps are timed there (Runner.step)
-    stage_step = StageStep(runner, cache, seqs, times, graphs)
+    stage_step = StageStep(runner, cache, seqs, times, graphs, prompt_logits)
     try:
         if not runner.model.stage.is_first:
             return serve(stage_step, link, end_round)

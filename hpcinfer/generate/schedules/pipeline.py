@@ -18,21 +18,22 @@ BLOCK_SIZE = 16              # positions per KV block of a batch's store (its po
 
 
 def generate_batch(model, prompts: list, indices: list, params: GenerationParams, times: StepTimes,
-                   schedule: ScheduleParams = ScheduleParams(), link=None, lockstep=None,
-                   batch_size: int | None = None) -> list | None:
+                   schedule: ScheduleParams = ScheduleParams(), link=None, prompt_logits: dict | None = None,
+                   lockstep=None, batch_size: int | None = None) -> list | None:
     """[(generated ids, finish_reason)] of prompts (token id lists, input indices `indices`) in prompt order on the
     last pipeline stage, None on the others; a runner of its own, closed after. `link` (comm.pipeline.StageLink)
-    when pp > 1. `lockstep`: the dp group, when MoE replicas step together; each holds its slice of a batch of
+    when pp > 1. `prompt_logits`: a dict the last stage fills with each prompt's last-position logits [V], by
+    index (for checking layouts against each other). `lockstep`: the dp group, when MoE replicas step together; each holds its slice of a batch of
     `batch_size` sequences (possibly none)."""
     runner = Runner(model, params)
     try:
-        return run_batch(runner, prompts, indices, times, schedule, link, lockstep, batch_size)
+        return run_batch(runner, prompts, indices, times, schedule, link, lockstep, batch_size, prompt_logits)
     finally:
         runner.close()
 
 
 def run_batch(runner: Runner, prompts: list, indices: list, times: StepTimes, schedule: ScheduleParams,
-              link=None, lockstep=None, batch_size: int | None = None) -> list | None:
+              link=None, lockstep=None, batch_size: int | None = None, prompt_logits=None) -> list | None:
     """generate_batch on a given runner (the row schedule runs each GPU batch so)."""
     seqs = runner.sequences(prompts, indices)
     running = max(1, len(seqs))
@@ -45,7 +46,8 @@ def run_batch(runner: Runner, prompts: list, indices: list, times: StepTimes, sc
                                             min(schedule.prompt_micro_batches, steps))
     graphs = paged_decode_graphs(runner, cache, schedule.cuda_graphs)
     try:
-        run_sequences(runner, seqs, times, policy, cache, lockstep=lockstep, graphs=graphs, link=link)
+        run_sequences(runner, seqs, times, policy, cache, lockstep=lockstep, graphs=graphs, link=link,
+                      prompt_logits=prompt_logits)
     finally:
         if graphs is not None:
             graphs.close()
