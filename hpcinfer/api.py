@@ -20,10 +20,10 @@ from .config import ScheduleSection
 from .generate.engine import GenerationParams, ScheduleParams, StepTimes
 from .generate.graphs import paged_decode_graphs
 from .generate.kv_cache import KVCache
-from .generate.replica import continuous_cache
+from .generate.replica import kv_pool_blocks
 from .generate.runner import Runner
 from .generate.sampling import SamplingParams
-from .generate.schedules.continuous import ContinuousParams, run_continuous
+from .generate.schedules.continuous import ContinuousParams, run_sequences
 from .generate.schedules.pipeline import generate_batch
 from .model.transformer import Decoder
 from .quant.kv import kv_format
@@ -78,20 +78,19 @@ def generate(model: Decoder, prompts: list, max_new_tokens: int, sampling: Sampl
 
 def _continuous(runner: Runner, prompts: list, indices: list, times: StepTimes, schedule: ScheduleSection,
                 cuda_graphs: bool) -> list:
-    """The prompts batched continuously, all of them running at once (replica.continuous_share on one rank)."""
-    model, running = runner.model, max(1, len(prompts))
-    longest = max((min(len(p) + runner.params.max_new_tokens, model.arch.max_positions) for p in prompts), default=1)
-    cache = continuous_cache(model, schedule, running, longest)
+    """The prompts batched continuously, all of them running at once (replica.run_share on one rank)."""
+    model, seqs = runner.model, runner.sequences(prompts, indices)
+    running, longest = max(1, len(seqs)), max((s.capacity for s in seqs), default=1)
     exact = model.kv_format is not None or any(0 < b.attn.topk < 1 for b in model.blocks)   # as static steps
-    finished = []
+    params = ContinuousParams(running, schedule.step_tokens(running), whole_prompts=exact)
+    cache = runner.kv_store(kv_pool_blocks(model, schedule, running, longest), schedule.kv_block_size, running,
+                            longest, None, max(params.step_sequences, params.prompt_step_sequences))
     graphs = paged_decode_graphs(runner, cache, cuda_graphs)
     try:
-        run_continuous(runner, prompts, indices, times, ContinuousParams(running, schedule.step_tokens(running),
-                       whole_prompts=exact), cache, lambda done: finished.extend(done) or False, graphs=graphs)
+        run_sequences(runner, seqs, times, params, cache, graphs=graphs)
     finally:
         if graphs is not None:
             graphs.close()
         runner.close()
-    times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, cache.nbytes)     # the pool, allocated whole
-    generated = {s.index: s.generated for s in finished}
-    return [generated[i] for i in indices]
+    cache.report(times)
+    return [s.generated for s in seqs]

@@ -17,6 +17,7 @@ from .checkpoint.presets import PRESETS
 from .comm.nccl_group import COMMS
 from .errors import ConfigError
 from .generate.graphs import check_config as check_graphs_config
+from .generate.paged_cache import supports as paged_supports
 from .offload.placement import PAIRS, PERCENT_RULE, SCHEDULES, fills_100, is_percent, over_100
 from .quant.formats import DEFAULT_EMBEDDING, EMBEDDINGS, LOAD_MODES
 
@@ -159,25 +160,25 @@ class MoESection:
 
 @dataclass(frozen=True)
 class ScheduleSection:
-    prompt_micro_batches: int = field(default=0, metadata=_meta("micro-batches of the prompt phase; 0 = pp",
+    prompt_micro_batches: int = field(default=0, metadata=_meta("static batching: steps a batch's prompts are prefilled in; 0 = pp",
                                                                 _non_negative))
-    gen_micro_batches: int = field(default=0, metadata=_meta("micro-batches of the token phase; 0 = pp",
+    gen_micro_batches: int = field(default=0, metadata=_meta("steps in flight down the pipeline; 0 = pp",
                                                              _non_negative))
     kv_offload_threshold: int | str = field(default=0, metadata=_meta(
-        "device KV-cache bytes per rank above which idle micro-batches' KV goes to host memory; 0 = off",
+        "static batching: device KV bytes per rank above which idle sequences' KV goes to host memory; 0 = off",
         lambda v: _bytes_check(v)))
     batching: str = field(default="auto", metadata=_meta(
-        "continuous (a running set of up to batch_size sequences over a paged KV cache: a finished sequence's slot "
-        "is refilled at the next step, long prompts are prefilled in chunks), static (batches of batch_size run "
-        "to their longest sequence), or auto (continuous where this runtime supports it, else static; "
-        "docs/scheduling.md)", choices=BATCHING))
+        "the scheduler's policy: continuous (a running set of up to batch_size sequences: a finished sequence's "
+        "place is refilled at the next step, long prompts are prefilled in chunks), static (batch_size prompts "
+        "enter when the running set is empty and run to their longest sequence), or auto (continuous, but static "
+        "with [offload], kv_offload_threshold or prompt_micro_batches; docs/scheduling.md)", choices=BATCHING))
     max_batch_tokens: int = field(default=0, metadata=_meta(
         "continuous batching: tokens per step, the running sequences' decode tokens first, then chunks of "
         "prompts; at least [generate] batch_size; 0 = max(512, batch_size)", _non_negative))
-    kv_block_size: int = field(default=16, metadata=_meta("continuous batching: positions per KV-cache block",
+    kv_block_size: int = field(default=16, metadata=_meta("positions per KV-cache block",
                                                           _positive))
     kv_cache_memory: int | str = field(default=0, metadata=_meta(
-        "continuous batching: bytes of the paged KV pool per rank (\"2GiB\"), or \"N%\" of the memory left after "
+        "bytes of the KV pool per rank (\"2GiB\"), or \"N%\" of the memory left after "
         "the weights; 0 = enough for batch_size sequences at their longest (never preempts)",
         lambda v: _kv_memory_check(v)))
 
@@ -235,7 +236,8 @@ class GenerateSection:
     prompts: str = field(metadata=_meta("JSON Lines prompt file", _path))
     output: str = field(metadata=_meta("JSON Lines result file (written by rank 0, atomically)", _path))
     max_new_tokens: int = field(default=32, metadata=_meta("tokens to generate per prompt", _positive))
-    batch_size: int = field(default=8, metadata=_meta("prompts per batch on each data-parallel replica", _positive))
+    batch_size: int = field(default=8, metadata=_meta("running sequences of a step at most, on each data-parallel replica (MoE "
+                                                          "replicas stepping together: on all of them)", _positive))
     temperature: float = field(default=0.0, metadata=_meta("0 = greedy", _non_negative))
     top_k: int = field(default=0, metadata=_meta("0 = off", _non_negative))
     top_p: float = field(default=1.0, metadata=_meta("1.0 = off", _probability))
@@ -366,6 +368,8 @@ def _build(path: str, raw: dict) -> Config:
     _check_offload(path, config)
     _check_kv_cache(path, config)
     check_graphs_config(config)
+    if config.generate is not None:
+        batching_choice(config)                   # a key of the other batching mode is an error naming it
     batch = config.generate.batch_size if config.generate is not None else config.embed.batch_size
     if config.generate is not None and 0 < config.schedule.max_batch_tokens < config.generate.batch_size:
         raise ConfigError(f"{path}: schedule.max_batch_tokens = {config.schedule.max_batch_tokens} is below "
@@ -377,6 +381,58 @@ def _build(path: str, raw: dict) -> Config:
             raise ConfigError(f"{path}: schedule.{key} = {value} is above [generate] batch_size = {batch}; "
                               f"a micro-batch needs at least one prompt")
     return config
+
+
+def unsupported(config) -> list[str]:
+    """Why this [generate] job cannot batch continuously (empty: it can)."""
+    why = []
+    if config.offload.active:
+        why.append("[offload] runs fixed blocks by design (FlexGen's zig-zag and ZeRO-Inference's row schedules)")
+    if config.schedule.kv_offload_bytes:
+        why.append("[schedule] kv_offload_threshold moves whole batches' KV slots by layer parity (static only)")
+    return why + paged_supports(config.model.kv_cache, config.generate.attention_topk)
+
+
+def batching_mode(config) -> str:
+    """"continuous" or "static": what `[schedule] batching` runs (batching_choice)."""
+    return batching_choice(config)[0]
+
+
+def batching_choice(config) -> tuple[str, str]:
+    """(the batching a [generate] job runs, why `auto` chose it when that is not plain continuous; the runtime logs
+    it). auto: static where continuous is not supported ([offload], kv_offload_threshold) or where
+    prompt_micro_batches (a static key) is set, else continuous. A key of the other mode is a ConfigError naming it:
+    max_batch_tokens under static (a static step takes each prompt whole), prompt_micro_batches under continuous
+    (its prompts are chunked into the gen_micro_batches steps in flight); with [offload] kv_block_size and
+    kv_cache_memory too (its schedules size their own caches)."""
+    sch, path, why = config.schedule, config.path, unsupported(config)
+    if sch.batching == "continuous" and why:
+        raise ConfigError(f"{path}: schedule.batching = \"continuous\" is not supported here: {'; '.join(why)}; use "
+                          f"batching = \"static\" (or \"auto\")")
+    given = {"max_batch_tokens": sch.max_batch_tokens != 0, "prompt_micro_batches": sch.prompt_micro_batches != 0,
+             "kv_block_size": sch.kv_block_size != 16, "kv_cache_memory": parse_bytes_or_share(sch.kv_cache_memory)}
+    if sch.batching == "auto" and why:
+        mode, reason = "static", "; ".join(why)
+    elif sch.batching == "auto" and given["prompt_micro_batches"] and not given["max_batch_tokens"]:
+        mode, reason = "static", "schedule.prompt_micro_batches is set (it splits a static batch's prompts)"
+    else:
+        mode, reason = ("continuous" if sch.batching == "auto" else sch.batching), ""
+    wrong = {"static": ["max_batch_tokens"], "continuous": ["prompt_micro_batches"]}[mode]
+    if config.offload.active:
+        wrong += ["kv_block_size", "kv_cache_memory"]
+    for key in wrong:
+        if given[key]:
+            raise ConfigError(f"{path}: schedule.{key} = {getattr(sch, key)!r} does not apply: the job batches "
+                              f"{mode}{' (' + reason + ')' if reason else ''}, and {key} is "
+                              f"{'a continuous' if key != 'prompt_micro_batches' else 'a static'} batching key"
+                              f"{' of the scheduler' if config.offload.active else ''}; remove it, or change "
+                              f"schedule.batching")
+    return mode, reason
+
+
+def parse_bytes_or_share(value) -> bool:
+    """kv_cache_memory given: a share ("N%") or bytes other than 0."""
+    return isinstance(value, str) and value.strip().endswith("%") or parse_bytes(value) != 0
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

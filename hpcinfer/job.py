@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .backend.ops import make_ops
 from .comm.mesh import MeshShape
 from .preflight import check_quantization, check_writable, open_model_source
+from .config import batching_mode
 from .errors import ConfigError
 from .generate.commit import ResultWriter, generation_fingerprint
 from .generate.engine import ScheduleParams, StepTimes
@@ -20,10 +19,8 @@ from .generate.output import write_metrics
 from .generate.prompts import load_prompts
 from .generate.resume import SIDECAR_SUFFIX
 from .generate.runner import Runner
-from .generate.replica import continuous_share
+from .generate.replica import run_share
 from .generate.schedules import run_block
-from .generate.schedules.continuous import batching_mode
-from .parallel.micro_batches import micro_batches
 from .generate.tokenizer import TextTokenizer
 from .metrics import peak_rss_bytes, summarize
 from .offload.budget import check_budgets, kv_format_of, predicted_vs_measured
@@ -129,83 +126,62 @@ def _fetch_share(config, world_size: int, ranks_per_node: int) -> int:
     return fetch_share(world_size // (par.tp * par.pp), par.tp, ranks_per_node)
 
 
-def schedule_params(config, local_rank: int = 0) -> ScheduleParams:
-    sch, pp = config.schedule, config.parallel.pp
-    offload = KVOffload(sch.kv_offload_bytes, local_rank % 2) if sch.kv_offload_bytes else None
-    return ScheduleParams(sch.prompt_micro_batches or pp, sch.gen_micro_batches or pp, offload,
-                          config.runtime.cuda_graphs)
-
-
 def _batches(n_prompts: int, batch_size: int) -> list[range]:
     return [range(a, min(a + batch_size, n_prompts)) for a in range(0, n_prompts, batch_size)]
 
 
 def _check_kv_offload(config, arch, stages, prompts, world_size: int, ranks_per_node: int) -> None:
-    """The KV offload threshold must hold one micro-batch on every rank: its stage, with the layer parity it
-    offloads (node-local rank % 2), for every batch."""
-    schedule = schedule_params(config)
-    if schedule.kv_offload is None:
+    """The KV offload threshold must hold a step's sequences on every rank: its stage, with the layer parity it
+    offloads (node-local rank % 2), with batch_size slots of the longest sequence (the static policy's store,
+    generate/replica._kv_store; a step holds batch_size / min(prompt, gen micro-batches) of them)."""
+    sch, g, par = config.schedule, config.generate, config.parallel
+    if not sch.kv_offload_bytes:
         return
-    g, par = config.generate, config.parallel
     shape = MeshShape.for_world(world_size, par.tp, par.pp)
     placements = {(shape.coords(r)[0], r % ranks_per_node % 2) for r in range(world_size)}
-    for batch in _batches(len(prompts), g.batch_size):
-        max_len = max(min(len(prompts[i].tokens) + g.max_new_tokens, arch.max_positions) for i in batch)
-        groups = micro_batches(len(batch), schedule.prompt_micro_batches) + \
-            micro_batches(len(batch), schedule.gen_micro_batches)
-        for stage_index, parity in sorted(placements):
-            stage = stages[stage_index]
-            plan_offload(len(stage.layers), stage.first_layer, len(batch), arch.num_kv_heads // par.tp, max_len,
-                         arch.head_dim, KVOffload(schedule.kv_offload.threshold_bytes, parity),
-                         max(len(x) for x in groups), kv_format_of(config, arch))
+    slots = min(g.batch_size, len(prompts))
+    split = min(sch.prompt_micro_batches or par.pp, sch.gen_micro_batches or par.pp, slots) if par.pp > 1 else 1
+    max_len = max(min(len(p.tokens) + g.max_new_tokens, arch.max_positions) for p in prompts)
+    for stage_index, parity in sorted(placements):
+        stage = stages[stage_index]
+        plan_offload(len(stage.layers), stage.first_layer, slots, arch.num_kv_heads // par.tp, max_len,
+                     arch.head_dim, KVOffload(sch.kv_offload_bytes, parity), -(-slots // split),
+                     kv_format_of(config, arch))
 
 
 def generate_share(runner: Runner, job: Job, mesh, link, end_round=None) -> tuple[StepTimes, list]:
-    """This data-parallel replica's batches, through its pipeline, one batch round at a time: round k holds the
-    next dp batches not yet done (job.skip), and replica d takes the d-th of them. For MoE models the replicas
-    exchange tokens in every MoE layer, so they step together: a round is one batch, each takes its slice.
+    """This data-parallel replica's share of the prompts: through the scheduler (generate/replica.run_share), or
+    with `[offload]` in blocks of batch_size prompts, round by round (round k holds the next dp blocks not yet done,
+    replica d takes the d-th), each through the offload schedule (zig-zag or rows, schedules.run_block).
 
-    end_round(results) -> bool runs on every rank after each round (generate/rounds.py: commit, stop flag); True
-    stops. Without it, the results are collected and returned."""
+    end_round(results) -> bool runs on every rank at each commit point (generate/rounds.py: commit, stop flag);
+    True stops. Without it, the results are collected and returned."""
     model, g = runner.model, job.config.generate
-    schedule = schedule_params(job.config, mesh.local_rank)
-    _, dp_index, _ = mesh.coords
-    dp = mesh.shape.dp
-    lockstep = mesh.dp if model.arch.moe_experts and dp > 1 else None      # experts are exchanged across replicas
-    todo = [b for b in _batches(len(job.prompts), g.batch_size) if not set(b) <= job.skip]
-    times, results = StepTimes(), []
-    times.batching = batching_mode(job.config)
-    if times.batching == "continuous":
-        results = continuous_share(runner, job, mesh, times, end_round, lockstep, link)
-        todo = []
-    for batch in _rounds(todo, dp, dp_index, lockstep is not None):
-        round_results = []
-        if batch is not None:
-            indices = list(batch) if lockstep is None else [int(i) for i in np.array_split(list(batch), dp)[dp_index]]
-            outputs = run_block(runner, [job.prompts[i].tokens for i in indices], indices, times, schedule,
-                                job.config.offload, link, lockstep, len(batch))
-            if outputs is not None:
-                round_results = [(i, tokens, reason) for i, (tokens, reason) in zip(indices, outputs)]
-        if end_round is None:
-            results += round_results
-        elif end_round(round_results):
-            break
-    runner.close()                                    # the run's kept KV cache and CUDA graphs (generate/graphs.py)
+    times = StepTimes(batching=batching_mode(job.config))
+    lockstep = mesh.dp if model.arch.moe_experts and mesh.shape.dp > 1 else None   # experts cross the replicas
+    if not job.config.offload.active:
+        results = run_share(runner, job, mesh, times, end_round, lockstep, link)
+    else:
+        results = []
+        dp_index, dp = mesh.coords[1], mesh.shape.dp
+        todo = [b for b in _batches(len(job.prompts), g.batch_size) if not set(b) <= job.skip]
+        for first in range(0, len(todo), dp):
+            mine = todo[first:first + dp]
+            block = list(mine[dp_index]) if dp_index < len(mine) else []
+            outputs = run_block(runner, [job.prompts[i].tokens for i in block], block, times, ScheduleParams(),
+                                job.config.offload) if block else []
+            block_results = [(i, tokens, reason) for i, (tokens, reason) in zip(block, outputs or [])]
+            if end_round is None:
+                results += block_results
+            elif end_round(block_results):
+                break
+    runner.close()
     if model.weights is not None:
         times.weights_peak_device_bytes = model.weights.peak_bytes
         times.weights_bytes_from_host = model.weights.bytes_from_host
         times.weights_bytes_from_disk = model.weights.bytes_from_disk
         model.weights.close()
     return times, results
-
-
-def _rounds(todo: list, dp: int, dp_index: int, lockstep: bool):
-    """This replica's batch of each round (None when the round has none for it): the d-th of the round's dp
-    batches, or with lockstep the round's one batch (every replica takes a slice of it)."""
-    per_round = 1 if lockstep else dp
-    for first in range(0, len(todo), per_round):
-        mine = todo[first:first + per_round]
-        yield mine[0] if lockstep else (mine[dp_index] if dp_index < len(mine) else None)
 
 
 def write_outputs(job: Job, arch, mesh, reports: list, load_s: float, total_s: float, threads: int) -> None:

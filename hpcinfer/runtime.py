@@ -24,7 +24,7 @@ from .comm.mesh import build_mesh, shared_memory_ranks
 from .comm.mpi_library import load_mpi
 from .comm.nccl_group import NcclGroup, device_group_factory, resolve_comm
 from .comm.pipeline import StageLink
-from .config import gpu_kv_dtype, load_config
+from .config import batching_choice, gpu_kv_dtype, load_config
 from .embed.job import embed_metrics, open_writer, prepare_embed_job, run_rounds
 from .errors import HpcinferError
 from .metrics import held_bytes
@@ -118,6 +118,9 @@ def _run(world, config_path: str, overrides: list[str], restart: bool = False, s
         return _run_embed(world, config, ranks_per_node, t_start, restart, stop or StopFlag())
     job = agree(world, lambda: prepare_job(config, world.Get_size(), rank, ranks_per_node, restart))
     job.skip = set(world.bcast(sorted(job.writer.done) if rank == 0 else None))
+    mode, why = batching_choice(config)
+    if why:                                                   # a mode derived from the config says why
+        log.info("schedule.batching = %s runs %s batching: %s", config.schedule.batching, mode, why)
     if job.skip:
         log.info("resuming %s: %d of %d prompts are already done", config.generate.output, len(job.skip),
                  len(job.prompts))

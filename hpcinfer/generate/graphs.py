@@ -1,26 +1,17 @@
 """CUDA graphs in the decode schedule (`[runtime] cuda_graphs`; docs/gpu.md, Options).
 
-A pure decode step (one new token per sequence) of one pipeline stage runs through a `DecodeGraph`
-(backend/cupy_graphs.py): captured once per (micro-batch size, KV-length bucket) and replayed after its inputs (token
-ids, or the activations from the previous stage) and the sequences' slots and positions are copied into the graph's
-static device buffers. Prompt steps stay eager. The output (logits [S, V] on the last stage, activations [S, D]
-before it) is the graph's static buffer: the schedule copies it to the host for sampling, or sends it to the next
-stage on the same stream, before the next replay can overwrite it.
-
-The graphs hold the addresses of the KV cache they captured, so they live as long as that cache: `RunGraphs`
-(one per run and stage, held by the step runner, generate/runner.Runner.graphs) keeps one cache and its graphs across the batches of a
-run, zeroing the cache in place between batches, so that a run captures each (micro-batch size, KV bucket) once,
-not once per batch; a batch the cache cannot hold (more sequences, longer ones) replaces both. With a KV offload
-threshold a batch keeps its own cache and graphs, as before.
-
-The continuous schedule's decode steps over a paged KV cache (generate/paged_cache.PagedKVCache) run through
-`PagedDecodeGraphs` (`paged_decode_graphs`): a decode step of S sequences is padded to batch_bucket(S) rows (the
+The decode steps over a paged KV store (generate/paged_cache.PagedKVCache, the CuPy store of every schedule but
+the KV offload threshold's) run through `PagedDecodeGraphs` (`paged_decode_graphs`; backend/cupy_graphs.DecodeGraph
+captures and replays): a decode step of S sequences is padded to batch_bucket(S) rows (the
 next power of two: cupy_graphs.batch_bucket says why), each padding row feeding token 0 at position 0 of the
 cache's spare block (a block past the pool's, never in a table: its K and V land there and nothing reads them), and
 its block tables, lengths and positions go into the graph's device buffers (a PagedDeviceStep: tables as wide as
 the KV bucket's blocks), so the graph is keyed by (padded rows, KV bucket) and replays for any running set of that
-size; the padding rows' outputs are dropped. Prefill and mixed steps, and empty ones, stay eager. The pool lives as
-long as the run (replica.continuous_share makes one per run), and so do its graphs.
+size; the padding rows' outputs are dropped. Prefill and mixed steps, and empty ones, stay eager. The output
+(logits [S, V] on the last stage, activations [S, D] before it) is the graph's static buffer: the schedule copies
+it to the host for sampling, or sends it to the next stage, before the next replay can overwrite it. The graphs
+hold the addresses of the pool they captured, so they live as long as it (one pool per run, or per batch of
+schedules/pipeline.generate_batch).
 
 What a captured step cannot hold is stated here, in the three checks at the end, each run where its facts are
 known (every rank, before any weight is read): `check_config` when the config is read (config.py), `check_model`
@@ -43,98 +34,18 @@ log = logging.getLogger("hpcinfer")
 SMALLEST_BUCKET = 64             # positions a captured decode step reads at least (cupy_graphs.kv_bucket)
 
 
-class DecodeGraphs:
-    """The captured decode steps over one KV cache on one stage, keyed by (sequences, KV bucket). `forward(cache,
-    inputs, step)` computes the stage's share of a step (generate/runner.Runner.forward), eagerly or under
-    capture."""
+class PagedDecodeGraphs:
+    """The captured decode steps of one stage over one paged KV store, keyed by (padded rows, KV bucket):
+    `applies(layout)` says which steps, `__call__(layout, inputs)` runs one (for generate/runner.Runner.step) -> the
+    stage's output for the step's S real rows (logits [S, V] on the last stage, activations [S, D] before it: a
+    view of the graph's static buffer, read before the next step). `forward(cache, inputs, step)` computes the
+    stage's share of a step (generate/runner.Runner.forward), eagerly or under capture."""
 
-    def __init__(self, model, cache, forward, kept: bool = False):
+    def __init__(self, model, cache, forward):
         self.model, self.cache, self.forward = model, cache, forward
         self.graph = DecodeGraph(model.ops, SMALLEST_BUCKET)
-        self.kept = kept                                  # True: RunGraphs keeps it across batches (closes it)
         self.steps = 0                                    # decode steps run through here (replayed or eager)
         self.recorded = (0, 0, 0)                         # (captures, replays, eager steps) at the last `record`
-
-    def applies(self, step) -> bool:
-        """A decode step with at least one sequence, over layers whose KV stays on the device."""
-        return step.is_decode and step.num_seqs > 0 and not self.cache.offloading
-
-    def __call__(self, step, inputs: dict):
-        self.steps += 1
-        return self.graph(lambda static, device_step: self.forward(self.cache, static, device_step),
-                          inputs, step.slots, step.starts)
-
-    @property
-    def captures(self) -> int:
-        """Graphs captured so far (the metrics count the difference over a batch)."""
-        return self.graph.captures
-
-    @property
-    def replays(self) -> int:
-        """Decode steps run from a captured graph (a key's first step included: captured, then launched)."""
-        return self.steps - self.graph.eager_steps
-
-    @property
-    def eager_steps(self) -> int:
-        """Decode steps of keys that cannot be captured (they called cuBLAS), run eagerly so far."""
-        return self.graph.eager_steps
-
-    def record(self, times) -> None:
-        """Add the captures, replays and eager steps since the last call to a StepTimes (graph_captures,
-        graph_replays, graph_eager_steps: the metrics' cuda_graphs section)."""
-        now = (self.captures, self.replays, self.eager_steps)
-        times.graph_captures += now[0] - self.recorded[0]
-        times.graph_replays += now[1] - self.recorded[1]
-        times.graph_eager_steps += now[2] - self.recorded[2]
-        self.recorded = now
-
-    def fits(self, model, slots: int, max_len: int) -> bool:
-        """Whether a batch of `slots` sequences, none longer than `max_len`, can run on this cache."""
-        cache = self.cache
-        return (self.model is model and cache.kv_format == model.kv_format and not cache.offloading
-                and cache.n_seqs >= slots and cache.max_len >= max_len)
-
-    def close(self) -> None:
-        """Drop the graphs and hand their private memory pool back to the device."""
-        self.graph.close()
-
-
-class RunGraphs:
-    """One stage's decode graphs over the batches of a run, with the KV cache they captured.
-
-    A batch runs on the kept cache when it fits (no more sequences than its slots, none longer than its length):
-    the cache is zeroed in place (KVCache.reset) and the graphs captured by earlier batches replay on the same
-    arrays (slots, positions and inputs go through the graphs' static buffers). Otherwise the graphs and the cache
-    are dropped first, then a cache of the batch's size is made, its length rounded up to a multiple of the
-    smallest KV bucket (capped at the model's positions) so that prompts of nearby lengths share it. Device KV
-    memory never exceeds that of the largest batch's own cache (+ the rounding). `close()` ends the run."""
-
-    def __init__(self, forward):
-        self.forward = forward                            # Runner.forward: what the graphs capture
-        self.graphs: DecodeGraphs | None = None
-
-    def batch(self, model, slots: int, max_len: int, make_cache) -> DecodeGraphs:
-        """The graphs (and cache, `.cache`) for a batch; make_cache(slots, length) -> a new KVCache."""
-        if self.graphs is not None and self.graphs.fits(model, slots, max_len):
-            self.graphs.cache.reset()
-            return self.graphs
-        self.close()                                                  # free the old cache before the new one
-        length = max(max_len, min(-(-max_len // SMALLEST_BUCKET) * SMALLEST_BUCKET, model.arch.max_positions))
-        self.graphs = DecodeGraphs(model, make_cache(slots, length), self.forward, kept=True)
-        return self.graphs
-
-    def close(self) -> None:
-        """The run is done: free the graphs, their memory pool and the cache."""
-        if self.graphs is not None:
-            self.graphs.close()
-            self.graphs = None
-
-
-class PagedDecodeGraphs(DecodeGraphs):
-    """The captured decode steps of the continuous schedule over one paged KV cache on one stage, keyed by (padded
-    rows, KV bucket): `applies(layout)` says which steps, `__call__(layout, inputs)` runs one (as DecodeGraphs, for
-    generate/runner.Runner.step) -> the stage's output for the step's S real rows (logits [S, V] on the last stage,
-    activations [S, D] before it: a view of the graph's static buffer, read before the next step)."""
 
     def applies(self, step) -> bool:
         """A paged decode step with at least one sequence (the pool is on the device)."""
@@ -150,8 +61,32 @@ class PagedDecodeGraphs(DecodeGraphs):
                              padded, eager=(inputs, step))
         return out[:step.num_seqs]
 
-    def fits(self, model, slots: int, max_len: int) -> bool:
-        return False                            # a run's paged graphs are made with its pool, never reused
+    @property
+    def captures(self) -> int:
+        return self.graph.captures
+
+    @property
+    def replays(self) -> int:
+        """Decode steps run from a captured graph (a key's first step included: captured, then launched)."""
+        return self.steps - self.graph.eager_steps
+
+    @property
+    def eager_steps(self) -> int:
+        """Decode steps of keys that call cuBLAS (never captured), run eagerly."""
+        return self.graph.eager_steps
+
+    def record(self, times) -> None:
+        """Add the captures, replays and eager steps since the last call to a StepTimes (the metrics' cuda_graphs
+        section)."""
+        now = (self.captures, self.replays, self.eager_steps)
+        times.graph_captures += now[0] - self.recorded[0]
+        times.graph_replays += now[1] - self.recorded[1]
+        times.graph_eager_steps += now[2] - self.recorded[2]
+        self.recorded = now
+
+    def close(self) -> None:
+        """Drop the graphs and hand their private memory pool back to the device."""
+        self.graph.close()
 
 
 def pad_step(step: StepLayout, rows: int, spare_block: int) -> StepLayout:
@@ -187,19 +122,6 @@ def paged_decode_graphs(runner, cache, cuda_graphs: bool):
                     "graphs take float32 pools only)", cache.kv_format.mode)
         return None
     return PagedDecodeGraphs(runner.model, cache, runner.forward)
-
-
-def batch_cache(model, schedule, run_graphs: RunGraphs, slots: int, max_len: int, make_cache) -> tuple:
-    """(KV cache, DecodeGraphs or None) for a batch of `slots` sequences up to `max_len` positions: the run's kept
-    ones (`run_graphs`, the Runner's) when `[runtime] cuda_graphs` is on and the backend is cupy; a batch's own cache and graphs (closed with
-    it) under a KV offload threshold; a fresh cache and None (every step eager) otherwise."""
-    if not schedule.cuda_graphs or model.ops.name != "cupy":
-        return make_cache(slots, max_len), None
-    if schedule.kv_offload is not None:
-        cache = make_cache(slots, max_len)
-        return cache, DecodeGraphs(model, cache, run_graphs.forward)
-    graphs = run_graphs.batch(model, slots, max_len, make_cache)
-    return graphs.cache, graphs
 
 
 def check_config(config) -> None:

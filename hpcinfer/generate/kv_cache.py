@@ -1,4 +1,5 @@
-"""The KV cache of one batch on one pipeline stage, with optional offload of idle micro-batches to host memory.
+"""A dense KV cache of `slots` sequences on one pipeline stage (the slot store's rows, generate/slot_cache.py, and
+the zig-zag schedule's caches), with optional offload of idle sequences to host memory.
 
 Without offload, layer i keeps k[i], v[i]: [N sequences, Hkv local, Lmax, hd] and a sequence's slot is its index in
 the batch. With `[schedule] kv_offload_threshold` set and the cache larger than it, the layers this rank offloads
@@ -74,20 +75,6 @@ class KVCache:
         self.recent: list[int] = []                               # resident sequences, least recently used first
         self.on_host: set[int] = set()
         self.bytes_to_host = self.bytes_to_device = 0
-        self.peak_bytes = self.nbytes
-
-    def reset(self) -> None:
-        """As new for the next batch, without reallocating the device arrays (captured CUDA graphs hold their
-        addresses, generate/graphs.RunGraphs): every row zeroed in place, no sequence on the host, counters at 0."""
-        for layer in self.k + self.v:
-            for array in (layer.parts() if isinstance(layer, QuantizedKV) else (layer,)):
-                array.fill(0)
-        if self.pooled:
-            self.slot_of[:] = -1
-            self.free = list(range(self.capacity))[::-1]
-        self.recent, self.on_host = [], set()
-        self.bytes_to_host = self.bytes_to_device = 0
-        self.peak_bytes = self.nbytes
 
     def _zeros(self, shape):                                     # one layer's K or V: [N, Hkv, Lmax, hd] rows
         if self.kv_format is None:                               # the backend's float KV dtype ([model] kv_dtype)
@@ -98,10 +85,6 @@ class KVCache:
     def nbytes(self) -> int:
         """Device bytes of the cache (the compute arrays)."""
         return sum(int(a.nbytes) for a in self.k + self.v)
-
-    @property
-    def offloading(self) -> bool:
-        return bool(self.pooled)
 
     def prepare(self, seqs) -> None:
         """Give every sequence of the micro-batch about to run a device slot, evicting others if needed."""

@@ -64,9 +64,15 @@ class PagedKVCache:
         """Where a sequence's decode row is best placed in a step (the scheduler sorts by it; stable): any."""
         return 0
 
+    def prepare(self, layout: StepLayout) -> None:
+        """(the pool stays on the device)"""
+
     def layer_step(self, layer: int, step: StepLayout) -> StepLayout:
-        """Every layer reads the same tables (Decoder.run_layer asks the dense cache for per-layer slots)."""
+        """Every layer reads the same tables."""
         return step
+
+    def report(self, times) -> None:
+        times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, self.nbytes)     # the pool, allocated whole
 
     def layout(self, seq_ids: list, starts: list, counts: list) -> StepLayout:
         """The paged step of `seq_ids` (their tables grown to hold starts + counts positions)."""

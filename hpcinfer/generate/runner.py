@@ -1,12 +1,11 @@
 """The step runner: one per rank, the role nano-vllm's ModelRunner plays (ARCHITECTURE.md, "Runner").
 
-It holds the model (with its weight source: resident, or streamed by offload/tiers.WeightTiers), the decode graphs
-and KV cache kept across the batches of a run (`graphs`, generate/graphs.RunGraphs), and what every schedule
-does the same way:
+It holds the model (with its weight source: resident, or streamed by offload/tiers.WeightTiers) and its KV store
+(`kv_store` builds it, generate/kv_store.py; `close` frees it), and does what every schedule does the same way:
   - `sequences`: the Sequence records of a batch's prompts (each seeded by its prompt's index);
   - `prompt_inputs` / `decode_inputs`: a group of sequences as one packed step (starts, counts, token ids);
   - `step`: this stage's share of one step (embedding, its layers, the LM head on the last stage), eagerly or
-    from a CUDA graph;
+    from a CUDA graph, timed (StepTimes.busy_s: the one place a step's compute time is recorded);
   - `sample`: one token per sequence from the logits, the same on every tp rank, recorded in the sequences;
   - `account`: the tokens of a finished batch in the run's StepTimes.
 The schedules (generate/schedules/) are loops over these. Shape legend: T=tokens of a step, S=sequences, V=vocab.
@@ -22,7 +21,7 @@ from ..comm.mappings import broadcast_from_tp_root
 from ..model.transformer import Decoder
 from ..offload.budget import kv_format_of
 from .engine import GenerationParams, Sequence, StepTimes, record_token
-from .graphs import RunGraphs
+from . import kv_store
 from .sampling import SamplingParams, sample, sequence_rng
 
 
@@ -33,7 +32,8 @@ class Runner:
     def __init__(self, model, params: GenerationParams, on_sample=None):
         self.model, self.params = model, params
         self.eos = set() if params.ignore_eos else set(model.arch.eos_token_ids)
-        self.graphs = RunGraphs(self.forward)  # [runtime] cuda_graphs: the run's kept KV cache and decode graphs
+        self.store = None                      # the KV store of the run (kv_store), freed by close()
+        self.times = StepTimes()               # where `step` records its time (the schedule running it sets it)
         self.on_sample = on_sample
 
     @classmethod
@@ -69,14 +69,27 @@ class Runner:
         tokens = np.array([s.generated[-1] for s in seqs], dtype=np.int64)
         return [s.length - 1 for s in seqs], [1] * len(seqs), tokens
 
+    def kv_store(self, blocks: int, block_size: int, running: int, longest: int, offload=None,
+                 largest_step: int = 1):
+        """The run's KV store (generate/kv_store.build; the arguments are its), replacing any earlier one."""
+        self.close()
+        self.store = kv_store.build(self.model, blocks, block_size, running, longest, offload, largest_step)
+        return self.store
+
     # ---- one step ----------------------------------------------------------------------------------------------
     def step(self, cache, layout, inputs: dict, graphs=None):
         """This stage's share of one step over `cache`: inputs {"tokens": ids [T]} on the first stage, {"x": [T, D]}
         after it -> logits [S, V] on the last stage, else activations [T, D] (device arrays). A decode step replays
-        its CUDA graph when `graphs` (generate/graphs.DecodeGraphs) applies to it."""
+        its CUDA graph when `graphs` (generate/graphs.PagedDecodeGraphs) applies to it. Its time goes to
+        self.times.busy_s."""
+        t0 = time.perf_counter()
+        cache.prepare(layout)
         if graphs is not None and graphs.applies(layout):
-            return graphs(layout, inputs)
-        return self.forward(cache, inputs, layout)
+            out = graphs(layout, inputs)
+        else:
+            out = self.forward(cache, inputs, layout)
+        self.times.busy_s += time.perf_counter() - t0
+        return out
 
     def forward(self, cache, inputs: dict, layout):
         """The stage's share of one step, eagerly or under capture (what a decode graph records): [embedding],
@@ -114,8 +127,8 @@ class Runner:
         return [(s.generated, s.finish_reason) for s in seqs]
 
     def close(self) -> None:
-        """The run is done: free the kept KV cache and graphs."""
-        self.graphs.close()
+        """The run is done: free its KV store."""
+        self.store = None
 
 
 def generation_params(config) -> GenerationParams:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..backend.interface import StepLayout
 from .block_manager import BlockPool, BlockTables
-from .kv_cache import KVCache
+from .kv_cache import KVCache, KVOffload
 
 
 class SlotTables(BlockTables):
@@ -49,10 +49,12 @@ class SlotKVCache:
     `slots` sequences of `max_len` positions: the pool's blocks are accounting only."""
 
     def __init__(self, ops, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
-                 slots: int, max_len: int, kv_format=None):
+                 slots: int, max_len: int, kv_format=None, offload: KVOffload | None = None, first_layer: int = 0,
+                 largest_step: int = 1):
         self.tables = SlotTables(BlockPool(num_blocks, block_size), slots)
         self.block_size, self.kv_format = block_size, kv_format
-        self.dense = KVCache(ops, num_layers, slots, kv_heads, max_len, head_dim, kv_format=kv_format)
+        self.dense = KVCache(ops, num_layers, slots, kv_heads, max_len, head_dim, offload, first_layer, largest_step,
+                             kv_format=kv_format)
         self.k, self.v = self.dense.k, self.dense.v
 
     @property
@@ -69,8 +71,17 @@ class SlotKVCache:
         take one)."""
         return self.tables.slot.get(seq_id, len(self.tables.free_slots) + len(self.tables.slot))
 
+    def prepare(self, layout: StepLayout) -> None:
+        """With a KV offload threshold: the step's slots on the device, the least recently used to the host."""
+        self.dense.prepare(layout.slots)
+
     def layer_step(self, layer: int, step: StepLayout) -> StepLayout:
-        return step
+        return self.dense.layer_step(layer, step)
+
+    def report(self, times) -> None:
+        times.kv_bytes_to_host += self.dense.bytes_to_host
+        times.kv_bytes_to_device += self.dense.bytes_to_device
+        times.kv_peak_device_bytes = max(times.kv_peak_device_bytes, self.nbytes)
 
     def layout(self, seq_ids: list, starts: list, counts: list) -> StepLayout:
         """The dense step of `seq_ids` over their slots (their tables grown to hold starts + counts positions)."""

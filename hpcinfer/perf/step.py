@@ -14,7 +14,7 @@ Per layer and micro-batch on one rank (m sequences of a replica, T new tokens ea
               (comm_cost.all_to_all, message counts from comm/all_to_all.message_stats)
 A stage costs the sum over its layers (parallel/stages.partition_layers; the LM head on the last stage); the
 pipeline runs at the pace of the slowest stage, plus one send of t D isz bytes to the next stage.
-Schedule (generate/schedule.py, DeepSpeed Inference Fig. 3): prompt = (prompt_mb + pp - 1) stage steps; a token
+Schedule (tests/helpers/pipeline_schedule.py, DeepSpeed Inference Fig. 3): prompt = (prompt_mb + pp - 1) stage steps; a token
 step = max(gen_mb, pp) stage steps (fewer micro-batches than stages leave the pipeline idle: the bubble).
 
 t=tokens  m=sequences per micro-batch  c=context  D=hidden  E=experts  k=top-k  isz=bytes per element

@@ -26,7 +26,8 @@ from hpcinfer.generate.engine import GenerationParams, StepTimes
 from hpcinfer.generate.graphs import pad_step, paged_decode_graphs
 from hpcinfer.generate.paged_cache import PagedKVCache
 from hpcinfer.generate.runner import Runner
-from hpcinfer.generate.schedules.continuous import ContinuousParams, batching_mode, run_continuous, unsupported
+from hpcinfer.config import batching_mode, unsupported
+from hpcinfer.generate.schedules.continuous import ContinuousParams, run_continuous
 from hpcinfer.model.transformer import Decoder
 
 # 5 prompts over a running set of 3 (decode steps of 3 sequences: padded to 4; of 2 and 1 as the queue runs dry);

@@ -1,4 +1,4 @@
-"""The pipeline schedule as data (generate/schedule.py), with no MPI: micro-batch splits, the order of
+"""The pipeline schedule as data (tests/helpers/pipeline_schedule.py), with no MPI: micro-batch splits, the order of
 (stage, micro-batch, token step) work items, bubbles counted by hand, early stopping and hybrid regrouping.
 
 Conventions of `simulate` used below: one time unit per (stage, work item); a work item computed by the last
@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 
-from hpcinfer.generate.schedule import Event, bubble_fraction, gen_ready_order, simulate
+from pipeline_schedule import Event, bubble_fraction, gen_ready_order, simulate
 from hpcinfer.parallel.micro_batches import micro_batches
 
 

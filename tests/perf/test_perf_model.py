@@ -9,7 +9,7 @@ import pytest
 from hpcinfer.arch import ModelArch
 from hpcinfer.checkpoint.presets import PRESETS
 from hpcinfer.errors import ConfigError
-from hpcinfer.generate.schedule import simulate
+from pipeline_schedule import simulate
 from hpcinfer.offload.profile import PRESETS as HARDWARE, HardwareProfile, load_profile
 from hpcinfer.parallel.micro_batches import micro_batches
 from hpcinfer.perf.comm_cost import Link, Links, all_gather, all_reduce, all_to_all, all_to_all_latency_terms
@@ -87,7 +87,7 @@ def test_experts_hit():
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
 @pytest.mark.parametrize("gen_mb", [1, 2, 3, 5])
 def test_token_step_matches_the_pipeline_schedule(pp, gen_mb):
-    """The closed form max(gen_mb, pp) stage steps per token against generate/schedule.simulate's unit play."""
+    """The closed form max(gen_mb, pp) stage steps per token against pipeline_schedule.simulate's unit play."""
     seqs = 6
     groups = micro_batches(seqs, gen_mb)
     events = simulate(pp, micro_batches(seqs, pp), groups, {s: 6 for s in range(seqs)})

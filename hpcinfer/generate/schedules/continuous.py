@@ -33,7 +33,6 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..engine import Sequence, StepTimes
-from ..paged_cache import PagedKVCache, supports as paged_supports
 from ..runner import Runner
 from .continuous_stages import FirstStage, LocalStage, StageStep, serve
 
@@ -41,14 +40,33 @@ from .continuous_stages import FirstStage, LocalStage, StageStep, serve
 @dataclass(frozen=True)
 class ContinuousParams:
     batch_size: int          # running sequences at most ([generate] batch_size)
-    max_batch_tokens: int    # tokens per step ([schedule] max_batch_tokens, >= batch_size)
-    micro_batches: int = 1   # steps in flight at once: pp > 1 keeps every stage busy ([schedule] gen_micro_batches)
+    max_batch_tokens: int    # tokens per step ([schedule] max_batch_tokens, >= batch_size; static: unbounded)
+    micro_batches: int = 1   # decode steps in flight at once: pp > 1 keeps every stage busy (gen_micro_batches)
     whole_prompts: bool = False   # feed steps as static does: a prompt whole, a recomputed token one per step
+    static: bool = False     # the static policy: admit only when the running set is empty, prompts whole
+    prompt_micro_batches: int = 0   # static: prefill steps the running set's prompts are split into (0 = micro_batches)
+
+    @classmethod
+    def static_policy(cls, batch_size: int, micro_batches: int = 1, prompt_micro_batches: int = 0):
+        """DeepSpeed Inference's static batching as a policy of this scheduler: batch_size prompts enter together
+        when the running set is empty, each prefilled whole in one of prompt_micro_batches steps, then decode in
+        micro_batches steps until the last of them ends."""
+        return cls(batch_size, 1 << 62, micro_batches, True, True, prompt_micro_batches)
 
     @property
     def step_sequences(self) -> int:
-        """Sequences a step takes at most: the running set shared over the steps in flight."""
+        """Sequences a decode step takes at most: the running set shared over the steps in flight."""
         return -(-self.batch_size // self.micro_batches)
+
+    @property
+    def prompt_step_sequences(self) -> int:
+        """Sequences a step that prefills takes at most."""
+        return -(-self.batch_size // (self.prompt_micro_batches or self.micro_batches))
+
+    @property
+    def in_flight(self) -> int:
+        """Steps in flight at most (static: every prompt micro-batch goes down before the first tokens are back)."""
+        return max(self.micro_batches, self.prompt_micro_batches)
 
     @property
     def step_tokens(self) -> int:
@@ -83,11 +101,13 @@ class ContinuousScheduler:
     are back. `stage` runs the steps (continuous_stages.LocalStage, or FirstStage down a pipeline); up to
     params.micro_batches steps are in flight at once, each over running sequences that no other step holds."""
 
-    def __init__(self, stage, cache: PagedKVCache, seqs: list, params: ContinuousParams, times: StepTimes,
-                 after_step=lambda finished: False, lockstep=None):
+    def __init__(self, stage, cache, seqs: list, params: ContinuousParams, times: StepTimes,
+                 after_step=lambda finished: False, lockstep=None, groups=None):
         self.stage, self.cache, self.params, self.times = stage, cache, params, times
         self.lockstep = lockstep                        # the dp group when MoE replicas step together, else None
         self.waiting: deque = deque(seqs)
+        self.groups: deque = deque(groups or [])        # static: the sizes of the batches the waiting enter in
+        self.all_idle = True                            # lockstep: no replica has a running sequence
         self.running: list[_Running] = []               # admission order
         self.in_flight: deque[_InFlight] = deque()
         self.busy: set = set()                          # ids of the running sequences some step in flight holds
@@ -108,31 +128,39 @@ class ContinuousScheduler:
                 if plan or self.lockstep is not None:
                     self._launch(plan)
                     launched = True
-            if self.in_flight and (len(self.in_flight) >= self.params.micro_batches or not launched):
+            if self.in_flight and (len(self.in_flight) >= self.params.in_flight or not launched):
                 if self._receive():
                     self._drain()
                     return
 
     def _any_work(self) -> bool:
-        """This replica has sequences left; in lockstep, any replica has (every replica asks at every round)."""
+        """This replica has sequences left; in lockstep, any replica has (every replica asks at every round, and
+        learns whether every running set is empty: the static policy's replicas refill together)."""
         mine = bool(self.waiting or self.running)
         if self.lockstep is None:
             return mine
-        return bool(self.lockstep.all_gather(np.array([mine], dtype=np.int64)).max())
+        gathered = self.lockstep.all_gather(np.array([mine, bool(self.running)], dtype=np.int64))
+        self.all_idle = not gathered.reshape(-1, 2)[:, 1].any()
+        return bool(gathered.reshape(-1, 2)[:, 0].any())
 
     # ---- decisions -------------------------------------------------------------------------------------------
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.params.batch_size:
+        """Waiting prompts into the running set: up to batch_size (static: only when the running set is empty)."""
+        if self.params.static and (self.running or not self.all_idle):     # (steps in flight hold running ones)
+            return
+        limit = self.groups.popleft() if self.params.static and self.groups else self.params.batch_size
+        while self.waiting and len(self.running) < limit:
             self.running.append(_Running(self.waiting.popleft()))
 
     def _plan(self) -> list[tuple[_Running, int]]:
         """[(sequence, tokens to feed)] of the next step over the running sequences no step in flight holds, its
         blocks allocated: decode tokens first, then prompt chunks in admission order, up to the step's sequences
         and tokens; preempts (newest idle first) when the pool runs out."""
-        budget, room = self.params.step_tokens, self.params.step_sequences
+        budget = self.params.step_tokens
         idle = [r for r in self.running if r.seq.index not in self.busy]
         plan = []
         prefill = [r for r in idle if r.pending > 1]
+        room = self._room(bool(prefill))
         decode = sorted((r for r in idle if r.pending == 1), key=lambda r: self.cache.row_order(r.seq.index))
         for r in decode + prefill:
             if budget <= 0 or len(plan) == room:
@@ -147,6 +175,16 @@ class ContinuousScheduler:
             plan.append((r, count))
             budget -= count
         return [(r, n) for r, n in plan if r in self.running]
+
+    def _room(self, prefill: bool) -> int:
+        """Sequences the next step takes at most: the running set shared over the steps in flight (static: its
+        running set in prompt_micro_batches prefill steps, or micro_batches decode steps, as DeepSpeed splits a
+        batch)."""
+        p = self.params
+        if not p.static:
+            return p.step_sequences
+        split = (p.prompt_micro_batches or p.micro_batches) if prefill else p.micro_batches
+        return max(1, -(-len(self.running) // split))
 
     def _tokens(self, r: _Running, budget: int, oldest: bool) -> int:
         """Tokens of r the step feeds: as many as the budget allows; with whole_prompts (a quantized KV cache or
@@ -185,7 +223,7 @@ class ContinuousScheduler:
     # ---- a step out and its tokens back ----------------------------------------------------------------------
     def _launch(self, plan: list[tuple[_Running, int]]) -> None:
         """Hand the plan's tokens to the stage, with the rows that sample (those whose tokens are then all in)."""
-        self._record_occupancy()
+        self._record_occupancy(plan)
         ids = [r.seq.index for r, _ in plan]
         starts = [r.computed for r, _ in plan]
         counts = [n for _, n in plan]
@@ -225,16 +263,18 @@ class ContinuousScheduler:
         """A step from launch to its tokens back: decode steps one by one, the rest as prefill."""
         elapsed = time.perf_counter() - step.sent_s
         if not step.plan:
-            self.times.wait_s += elapsed                # an empty lockstep step: only the exchanges
-        elif all(n == 1 for _, n in step.plan):
+            return                                      # an empty lockstep step: only the exchanges
+        if all(n == 1 for _, n in step.plan):
             self.times.decode_s.append(elapsed)
         else:
             self.times.prefill_s += elapsed
 
-    def _record_occupancy(self) -> None:
-        """Running sequences per step while prompts wait (the batch could be full), and the pool's use."""
+    def _record_occupancy(self, plan: list) -> None:
+        """Running sequences per step that could have been full (continuous: while prompts wait; static: every
+        decode step), and the pool's use."""
         times, pool = self.times, self.cache.pool
-        if self.waiting:
+        decode = bool(plan) and all(n == 1 for _, n in plan)
+        if (decode and self.params.static) or (self.waiting and not self.params.static):
             times.occupancy_steps += 1
             times.occupancy_running += len(self.running)
         times.kv_blocks_total = pool.num_blocks
@@ -243,7 +283,7 @@ class ContinuousScheduler:
         times.kv_block_samples += 1
 
 
-def check_fits(seqs: list, cache: PagedKVCache, name=lambda index: f"prompt {index}") -> None:
+def check_fits(seqs: list, cache, name=lambda index: f"prompt {index}") -> None:
     """A sequence the pool cannot hold alone is a set-up error naming it (every stage checks: they agree on the
     pool's size)."""
     tables, pool = cache.tables, cache.pool
@@ -256,50 +296,39 @@ def check_fits(seqs: list, cache: PagedKVCache, name=lambda index: f"prompt {ind
 
 
 def run_continuous(runner: Runner, prompts: list, indices: list, times: StepTimes, params: ContinuousParams,
-                   cache: PagedKVCache, after_step=lambda finished: False, name=lambda index: f"prompt {index}",
+                   cache, after_step=lambda finished: False, name=lambda index: f"prompt {index}",
                    lockstep=None, graphs=None, link=None, end_round=None) -> list:
-    """Generate for `prompts` (token id lists, input indices `indices`) with continuous batching over `cache`.
-    On the first stage, every step's finished sequences go to `after_step` (the replica's commit points,
-    replica.CommitPoints) as they end. With pp > 1 (`link`, a comm.pipeline.StageLink) the later stages serve the
-    steps and call end_round(their finished results) at each commit point; the last stage returns the results it
-    did not hand to end_round. name(index): how an error names a prompt. lockstep: the dp group of MoE replicas,
-    which step together. graphs: the captured paged decode steps over `cache`
-    (generate/graphs.paged_decode_graphs), or None (every step eager)."""
-    seqs = runner.sequences(prompts, indices)
+    """run_sequences over the Sequences of `prompts` (token id lists, input indices `indices`)."""
+    return run_sequences(runner, runner.sequences(prompts, indices), times, params, cache, after_step, name,
+                         lockstep, graphs, link, end_round)
+
+
+def run_sequences(runner: Runner, seqs: list, times: StepTimes, params: ContinuousParams, cache,
+                  after_step=lambda finished: False, name=lambda index: f"prompt {index}", lockstep=None,
+                  graphs=None, link=None, end_round=None, groups=None, prompt_logits=None) -> list:
+    """Generate for `seqs` under `params`' policy over `cache` (a kv_store.KVStore). On the first stage, every
+    step's finished sequences go to `after_step` (the replica's commit points, replica.CommitPoints) as they end.
+    With pp > 1 (`link`, a comm.pipeline.StageLink) the later stages serve the steps and call end_round(their
+    finished results) at each commit point; the last stage returns the results it did not hand to end_round.
+    name(index): how an error names a prompt. lockstep: the dp group of MoE replicas, which step together.
+    graphs: the captured paged decode steps over `cache` (generate/graphs.paged_decode_graphs), or None. groups:
+    under the static policy, the sizes of the batches `seqs` enter in (default: batch_size at a time).
+    prompt_logits: a dict the last stage fills with each sequence's first-token logits [V], by index."""
     check_fits(seqs, cache, name)
-    stage_step = StageStep(runner, cache, seqs, times, graphs)
+    runner.times = times                                # the run's steps are timed there (Runner.step)
+    stage_step = StageStep(runner, cache, seqs, times, graphs, prompt_logits)
     try:
         if not runner.model.stage.is_first:
             return serve(stage_step, link, end_round)
         stage = LocalStage(stage_step) if link is None else FirstStage(stage_step, link)
         try:
-            ContinuousScheduler(stage, cache, seqs, params, times, after_step, lockstep).run()
+            ContinuousScheduler(stage, cache, seqs, params, times, after_step, lockstep, groups).run()
         finally:
             stage.close()
         return []
     finally:
         if graphs is not None:                          # the run's captures and replays (its maker closes it)
             graphs.record(times)
-
-
-def unsupported(config) -> list[str]:
-    """Why this job cannot batch continuously in this runtime (empty: it can)."""
-    why = []
-    if config.offload.active:
-        why.append("[offload] runs fixed blocks by design (FlexGen's zig-zag and ZeRO-Inference's row schedules)")
-    if config.schedule.kv_offload_bytes:
-        why.append("[schedule] kv_offload_threshold moves the static schedule's dense KV cache by layer parity")
-    return why + paged_supports(config.model.kv_cache, config.generate.attention_topk)
-
-
-def batching_mode(config) -> str:
-    """"continuous" or "static" for `[schedule] batching` (auto: continuous where supported); asking for
-    continuous where it is not supported is a ConfigError that names why."""
-    asked, why = config.schedule.batching, unsupported(config)
-    if asked == "continuous" and why:
-        raise ConfigError(f"schedule.batching = \"continuous\" is not supported here: {'; '.join(why)}; use "
-                          f"batching = \"static\" (or \"auto\")")
-    return "static" if asked == "static" or why else "continuous"
 
 
 def balanced_shares(lengths: list, dp: int) -> list[list[int]]:

@@ -27,8 +27,9 @@ class StageStep:
     the last stage the samples of the header's "sample" rows. Finished sequences go to `finished` (the last
     stage's results, until committed)."""
 
-    def __init__(self, runner: Runner, cache, seqs: list, times, graphs=None):
+    def __init__(self, runner: Runner, cache, seqs: list, times, graphs=None, prompt_logits: dict | None = None):
         self.runner, self.cache, self.times, self.graphs = runner, cache, times, graphs
+        self.prompt_logits = prompt_logits                # optional {prompt index: logits [V] of its first token}
         self.by_id = {s.index: s for s in seqs}
         self.finished: list = []                          # [(prompt index, generated ids, finish_reason)]
 
@@ -36,18 +37,17 @@ class StageStep:
         """-> the reply to stage 0 on the last stage ({"ids", "tokens", "finish"} of the sampled rows), else the
         activations [T, D] for the next stage."""
         layout = header["layout"]                         # the first stage's StepLayout (paged, or dense slots)
-        t0 = time.perf_counter()
         out = self.runner.step(self.cache, layout, inputs, self.graphs)
-        reply = self._sample(header, out) if self.runner.model.stage.is_last else out
-        self.times.busy_s += time.perf_counter() - t0
-        return reply
+        return self._sample(header, out) if self.runner.model.stage.is_last else out
 
     def _sample(self, header: dict, logits) -> dict:
         rows = header["sample"]
         seqs = [self.by_id[header["ids"][row]] for row in rows]
         if seqs:                                          # (an empty lockstep step has none)
-            logits = self.runner.model.ops.to_host(logits)
-            self.runner.sample(seqs, logits[rows])
+            logits = self.runner.model.ops.to_host(logits)[rows]                  # [samples, V]
+            if self.prompt_logits is not None:
+                self.prompt_logits.update((s.index, row.copy()) for s, row in zip(seqs, logits) if not s.generated)
+            self.runner.sample(seqs, logits)
         done = [s for s in seqs if s.finish_reason is not None]
         Runner.account(done, self.times)
         self.finished += [(s.index, s.generated, s.finish_reason) for s in done]

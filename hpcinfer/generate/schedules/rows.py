@@ -1,7 +1,7 @@
 """ZeRO-Inference's row schedule for offloaded weights: each GPU batch of a block runs through all its token steps
 before the next one starts, every layer streamed in for every step of every GPU batch (the baseline FlexGen's
 zig-zag block schedule improves on: generate/schedules/zigzag.py). A GPU batch is the pipeline schedule's batch on
-one stage; the tiers' memory counter holds its KV cache and activations while it runs."""
+one stage under the scheduler's static policy; the tiers' memory counter holds its KV cache and activations while it runs."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from ..runner import Runner
 from .pipeline import run_batch
 
 
-def run_block_rows(runner: Runner, prompts: list, indices: list, times, policy) -> list:
-    """[(generated ids, finish_reason)] of the block's prompts, GPU batch after GPU batch."""
+def run_block_rows(runner: Runner, prompts: list, indices: list, times, schedule: ScheduleParams, policy) -> list:
+    """[(generated ids, finish_reason)] of the block's prompts, GPU batch after GPU batch, each under the
+    scheduler's static policy (schedules/pipeline.run_batch)."""
     model, memory = runner.model, runner.model.weights.memory
     outputs = []
     for group in micro_batches(len(prompts), policy.num_gpu_batches):
         members = [prompts[i] for i in group]
         memory.hold("device", "KV cache", _row_cache_bytes(model, members, runner.params.max_new_tokens))
         memory.hold("device", "activations", sum(map(len, members)) * model.arch.hidden_size * ACT_ITEMSIZE)
-        outputs += run_batch(runner, members, [indices[i] for i in group], times, ScheduleParams())
+        outputs += run_batch(runner, members, [indices[i] for i in group], times, schedule)
         memory.hold("device", "KV cache", 0)
         memory.hold("device", "activations", 0)
     return outputs

@@ -6,8 +6,10 @@ the pipeline from a FIFO queue: every prompt micro-batch first, then each genera
 come back from the last stage, for as long as it has running sequences. So the pipeline stays full across token
 steps and its bubble is paid once per batch, and a micro-batch whose sequences all stopped simply leaves the queue.
 
-`simulate` plays that schedule with one time unit per (stage, micro-batch) step; the executor in
-generate/schedules/pipeline.py runs the same order over real messages, and the tests check it against this one.
+`simulate` plays that schedule with one time unit per (stage, micro-batch) step: the model of DeepSpeed's pipeline
+the performance model (hpcinfer/perf/) is checked against. The scheduler (generate/schedules/continuous.py) runs
+the static policy with the same step sizes but forms each decode micro-batch from the sequences whose tokens are
+back, so its order is not this one step for step.
 """
 
 from __future__ import annotations
