@@ -14,7 +14,7 @@ import functools
 import numpy as np
 
 from ..quant.formats import dequantize, slice_rows, take_rows
-from . import kv_attention, moe_ops, paged_attention
+from . import compiled_attention, kv_attention, moe_ops, paged_attention
 from .numpy_decode import DecodeAttention, usable_cores
 from .interface import StepLayout, unfused_linear
 from .transfer import HostCopies
@@ -36,7 +36,8 @@ class NumpyOps:
         over (backend/numpy_decode.py); default the usable cores, as OpenBLAS's own default. cpu_kernels: "numba" (the
         compiled kernels of backend/cpu_kernels where they exist) or "numpy" (NumPy/BLAS only, the reference)."""
         self.cpu_kernels = cpu_kernels
-        self.decode_attention = DecodeAttention(usable_cores() if threads is None else threads)
+        self.threads = usable_cores() if threads is None else max(1, int(threads))
+        self.decode_attention = DecodeAttention(self.threads)
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):
@@ -190,9 +191,12 @@ class NumpyOps:
 
         q [T, H, hd]; k, v [T, Hkv, hd]; cache_k, cache_v [N, Hkv, Lmax, hd] -> out [T, H*hd].
         A quantized cache (quant.kv.QuantizedKV) or top-k decode (0 < topk < 1): backend/kv_attention.py.
+        cpu_kernels = "numba": the compiled kernels over any of these stores (backend/compiled_attention.py).
         """
         if step.num_tokens == 0:                             # a replica with no tokens in a lockstep step
             return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
+        if self.cpu_kernels == "numba":
+            return compiled_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         if step.is_paged:                                    # the continuous schedule's paged KV pool
             return paged_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         if 0 < topk < 1 and not step.is_decode and np.any(step.counts == 1):
