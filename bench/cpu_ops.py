@@ -135,12 +135,59 @@ def decode_rows(steps: Steps, batch: int, contexts: list, repeats: int) -> list:
     return rows
 
 
-def prefill_rows(steps: Steps, shapes: list, repeats: int, hf) -> list:
+def attention_rows(model, batch: int, contexts: list, repeats: int, block: int = BLOCK) -> list:
+    """Decode attention alone (ops.attention over every layer, one new token for each of `batch` sequences), with
+    cpu_kernels numpy and numba, over the dense slot store and the paged pool (blocks of `block` in a shuffled
+    order, as a running pool hands them out), interleaved ABAB per context (medians of `repeats`): ms and GB/s of
+    K/V read (the bytes decode_rows counts)."""
+    ops, arch, layers = model.ops, model.arch, model.num_local_layers
+    kv_heads, hd = model.kv_heads_local, arch.head_dim
+    heads = kv_heads * (arch.num_heads // arch.num_kv_heads)
+    rng = np.random.default_rng(3)
+    rows = []
+    for context in contexts:
+        length = context + 1
+        dense = [rng.standard_normal((2, batch, kv_heads, length, hd), dtype=np.float32) for _ in range(layers)]
+        per_seq = -(-length // block)
+        order = rng.permutation(batch * per_seq)                                      # the pool's blocks, shuffled
+        pools = [np.zeros((2, batch * per_seq, kv_heads, block, hd), dtype=np.float32) for _ in range(layers)]
+        for d, p in zip(dense, pools):
+            padded = np.zeros((2, batch, kv_heads, per_seq * block, hd), dtype=np.float32)
+            padded[..., :length, :] = d
+            p[:, order] = padded.reshape(2, batch, kv_heads, per_seq, block, hd).transpose(0, 1, 3, 2, 4, 5) \
+                .reshape(2, batch * per_seq, kv_heads, block, hd)
+        steps = {"slots": StepLayout.build(np.arange(batch), [context] * batch, [1] * batch),
+                 "paged": StepLayout.paged(order.reshape(batch, per_seq), block, [context] * batch, [1] * batch)}
+        caches = {"slots": dense, "paged": pools}
+        q = rng.standard_normal((batch, heads, hd), dtype=np.float32)
+        k, v = (rng.standard_normal((batch, kv_heads, hd), dtype=np.float32) for _ in range(2))
+        runs = {(kernels, store): [] for kernels in ("numpy", "numba") for store in ("slots", "paged")}
+        for _ in range(repeats + 1):                                                  # the first round warms up
+            for kernels, store in runs:
+                ops.cpu_kernels = kernels
+                t0 = time.perf_counter()
+                for cache in caches[store]:
+                    ops.attention(q, k, v, cache[0], cache[1], steps[store], 0.125)
+                runs[(kernels, store)].append(time.perf_counter() - t0)
+        ops.cpu_kernels = "numba"
+        kv_bytes = kv_bytes_per_token(kv_heads, hd, layers) * batch * length
+        for (kernels, store), times in runs.items():
+            seconds = median(times[1:])
+            rows.append({"batch": batch, "context": context, "kernels": kernels, "store": store,
+                         "ms": seconds * 1e3, "kv_bytes": kv_bytes, "GBps": kv_bytes / seconds / 1e9})
+        log(f"decode attention b{batch} ctx {context}: " + ", ".join(
+            f"{r['kernels']} {r['store']} {r['ms']:.1f} ms" for r in rows[-4:]))
+    return rows
+
+
+def prefill_rows(steps: Steps, shapes: list, repeats: int, hf, kernels: str = "numba") -> list:
+    """Prefill steps with cpu_kernels = `kernels`."""
+    steps.model.ops.cpu_kernels = kernels
     rows = []
     for batch, length in shapes:
         ids = list(range(batch))
         seconds, ops = steps.repeat(lambda: steps.prefill(ids, [length] * batch), repeats)
-        row = {"batch": batch, "length": length, "step_ms": seconds * 1e3,
+        row = {"batch": batch, "length": length, "kernels": kernels, "step_ms": seconds * 1e3,
                "ops_ms": {k: v * 1e3 for k, v in sorted(ops.items(), key=lambda kv: -kv[1])},
                "tokens_per_s": batch * length / seconds}
         if hf is not None:
@@ -148,7 +195,8 @@ def prefill_rows(steps: Steps, shapes: list, repeats: int, hf) -> list:
             hf.generate(prompts, 1)
             row["transformers_ms"] = median(hf.generate(prompts, 1)[0] for _ in range(repeats)) * 1e3
         rows.append(row)
-        log(f"prefill {batch}x{length}: {seconds * 1e3:.0f} ms")
+        log(f"prefill {batch}x{length} ({kernels}): {seconds * 1e3:.0f} ms")
+    steps.model.ops.cpu_kernels = "numba"
     return rows
 
 
@@ -245,12 +293,20 @@ def report(result: dict) -> str:
         rest = sum(v for k, v in ops.items() if k not in ("linear", "fused_linear", "attention"))
         lines.append(f"| {r['batch']} x ctx {r['context']} | {r['step_ms']:.1f} | {lin:.1f} ({r['weight_GBps']:.1f}) "
                      f"| {ops['attention']:.1f} ({r['attention_GBps']:.1f}, {r['attention_GBps'] / bw:.0%}) | {rest:.1f} |")
-    lines += ["", "| prefill | ms | tokens/s | attention ms | projections ms | transformers ms | vs transformers |",
-              "|---|---|---|---|---|---|---|"]
+    if result.get("attention"):
+        lines += ["", "Decode attention alone (ops.attention over every layer, 1 token per sequence), cpu_kernels numpy "
+                  "vs numba, over the dense slot store and the paged pool (shuffled blocks):", "",
+                  "| decode attention | kernels | store | ms | GB/s of K/V | share of read bandwidth |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["attention"]:
+            lines.append(f"| {r['batch']} x ctx {r['context']} | {r['kernels']} | {r['store']} | {r['ms']:.2f} | "
+                         f"{r['GBps']:.1f} | {r['GBps'] / bw:.0%} |")
+    lines += ["", "| prefill | kernels | ms | tokens/s | attention ms | projections ms | transformers ms | vs transformers |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in result["prefill"]:
         ops, hf = r["ops_ms"], r.get("transformers_ms")
         vs = "" if hf is None else f"{hf:.0f} | {hf / r['step_ms']:.2f}x"
-        lines.append(f"| {r['batch']} x {r['length']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['batch']} x {r['length']} | {r.get('kernels', '')} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
                      f"{ops['attention']:.0f} | {ops.get('linear', 0) + ops.get('fused_linear', 0):.0f} | "
                      f"{vs or ' | '} |")
     gemm = result.get("gemm")
@@ -303,10 +359,12 @@ def main(argv=None) -> int:
               "bandwidth_GBps": bandwidth, "bandwidth_kernels_GBps": kernels, "store": args.store,
               "cpu_kernels": steps.model.ops.cpu_kernels}
     result["decode"] = decode_rows(steps, args.batch, contexts, args.repeats)
+    result["attention"] = attention_rows(steps.model, args.batch, contexts, args.repeats)
     result["gemm"] = gemm_rows(steps.model, [int(x) for x in args.gemm.split(",") if x], args.repeats, bandwidth,
                                result["threads"])
     hf = None if args.no_hf else Transformers(str(GGUF))
-    result["prefill"] = prefill_rows(steps, shapes, args.repeats, hf)
+    result["prefill"] = [row for kernels in ("numpy", "numba")
+                         for row in prefill_rows(steps, shapes, args.repeats, hf, kernels)]
     write_results(args.out, "cpu-ops", result, report(result), log)
     return 0
 

@@ -14,7 +14,7 @@ import functools
 import numpy as np
 
 from ..quant.formats import dequantize, slice_rows, take_rows
-from . import cpu_kernels, kv_attention, moe_ops, paged_attention
+from . import compiled_attention, cpu_kernels, kv_attention, moe_ops, paged_attention
 from .numpy_decode import DecodeAttention, usable_cores
 from .interface import StepLayout, unfused_linear
 from .transfer import HostCopies
@@ -25,6 +25,9 @@ if cpu_kernels.NUMBA_ERROR is None:                  # else cpu_kernels.resolve 
 F32 = np.float32
 SMALL_BATCH = 32          # tokens up to which linear() multiplies weight-first
 SCORE_BLOCK = 1 << 16    # floats of one KV head's block of causal attention scores (256 KiB)
+COMPILED_PREFILL_MAX = 256  # new tokens of a sequence up to which a step's attention runs compiled: at 16 x 128 the
+                          # kernels took 819 ms against NumPy's 906, at 8 x 414 3,366 against 2,555 (1 thread, shared
+                          # EPYC, docs/cpu-attention.md): between the two until a quiet machine measures the crossover
 QUANT_TILE = 4096         # output rows dequantized per step by linear_q (a 4096 x 4096 float32 tile is 64 MiB)
 
 
@@ -39,7 +42,8 @@ class NumpyOps:
         over (backend/numpy_decode.py); default the usable cores, as OpenBLAS's own default. cpu_kernels: "numba" (the
         compiled kernels of backend/cpu_kernels where they exist) or "numpy" (NumPy/BLAS only, the reference)."""
         self.cpu_kernels = cpu_kernels
-        self.decode_attention = DecodeAttention(usable_cores() if threads is None else threads)
+        self.threads = usable_cores() if threads is None else max(1, int(threads))
+        self.decode_attention = DecodeAttention(self.threads)
         if cpu_kernels == "numba":          # the kernels run on the same `threads` as BLAS, never at once with it
             compiled.warm_up()
 
@@ -215,11 +219,15 @@ class NumpyOps:
         rope = (cos [T, rd/2], sin [T, rd/2], rotary_dim): q and k are rotated first (self.rotary; the CuPy decode
         kernels fuse it into their q load and k append), None: q and k as given.
         A quantized cache (quant.kv.QuantizedKV) or top-k decode (0 < topk < 1): backend/kv_attention.py.
+        cpu_kernels = "numba": the compiled kernels over any of these stores (backend/compiled_attention.py), for
+        decode and for prompt chunks up to COMPILED_PREFILL_MAX tokens (longer ones: BLAS's GEMMs are faster).
         """
         if rope is not None:
             q, k = self.rotary(q, *rope), self.rotary(k, *rope)
         if step.num_tokens == 0:                             # a replica with no tokens in a lockstep step
             return np.zeros((0, q.shape[1] * q.shape[2]), dtype=F32)
+        if self.cpu_kernels == "numba" and (step.is_decode or int(step.counts.max()) <= COMPILED_PREFILL_MAX):
+            return compiled_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         if step.is_paged:                                    # the continuous schedule's paged KV pool
             return paged_attention.attention(self, q, k, v, cache_k, cache_v, step, scale, topk)
         if 0 < topk < 1 and not step.is_decode and np.any(step.counts == 1):

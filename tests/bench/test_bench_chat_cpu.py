@@ -13,7 +13,7 @@ import pytest
 from hpcinfer.backend.numpy_ops import NumpyOps
 from bench import chat_workload
 from bench import chat_cpu
-from bench.cpu_ops import weight_matrices
+from bench.cpu_ops import attention_rows, weight_matrices
 from hpcinfer.checkpoint.presets import PRESETS, open_preset
 from hpcinfer.comm.group import Groups
 from hpcinfer.metrics import held_weight_bytes
@@ -93,3 +93,14 @@ def test_weight_matrices_are_every_matrix_a_decode_step_multiplies_by_once():
     assert len(matrices) >= model.arch.num_layers * 2 + 1
     held, counted = held_weight_bytes(model), sum(m.nbytes for m in matrices)
     assert 0.9 * held <= counted <= held
+
+
+def test_attention_rows_time_both_settings_over_both_stores():
+    """cpu_ops.attention_rows (decode attention alone, issue 31): numpy and numba over the slot store and the paged
+    pool, every row with its K/V bytes; the ops are left on numba."""
+    model = Decoder(NumpyOps(1, "numba"), Groups(), PRESETS["tiny-dense"]).load(open_preset("tiny-dense"))
+    rows = attention_rows(model, 3, [5, 20], 1, block=4)
+    assert {(r["context"], r["kernels"], r["store"]) for r in rows} == {
+        (c, k, s) for c in (5, 20) for k in ("numpy", "numba") for s in ("slots", "paged")}
+    assert all(r["GBps"] > 0 and r["kv_bytes"] == rows[0]["kv_bytes"] * (r["context"] + 1) // 6 for r in rows)
+    assert model.ops.cpu_kernels == "numba"
