@@ -315,10 +315,15 @@ def step_sweep(check: Check, name: str) -> dict:
     budget = min(SWEEP_BUDGET_S[name], max(1.0, check.left() - 5))
     args = ["-m", module, "--out", str(work), *(fake if check.fake else real)]
     args += ["--budget", f"{budget - 10:.0f}"] if name == "gemm" else []
-    rc, _, timed_out = check.run(name, check.python(*args), budget)
-    path = work / file
+    return results_step(check, name, args, budget, work / file)
+
+
+def results_step(check: Check, name: str, args: list, timeout: float, path: Path) -> dict:
+    """Run `python args` as the step's child; what its results file `path` holds when it ends (a timeout
+    included: the children rewrite it after every case) goes into summary.json under the step ("results")."""
+    rc, _, timed_out = check.run(name, check.python(*args), timeout)
     results = json.loads(path.read_text()) if path.exists() else None
-    return {"rc": rc, "results": results, "note": "timed out" if timed_out else ""}
+    return {"rc": rc, "results": results, "note": "timed out: the cases that ended are kept" if timed_out else ""}
 
 
 def step_gemm(check: Check) -> dict:
@@ -339,10 +344,7 @@ def step_scenario(check: Check, name: str) -> dict:
     budget = min(BUDGET_S[name], max(1.0, check.left() - 5))
     args = ["-m", "gpu.scenarios", name, "--out", str(work / f"{name}.json"), "--budget", f"{budget:.0f}"]
     args += ["--kernels", "off"] if check.fake else []          # the rehearsal: tiny shapes, no emulated kernels
-    rc, _, timed_out = check.run(name, check.python(*args), budget + 20)
-    path = work / f"{name}.json"
-    results = json.loads(path.read_text()) if path.exists() else None
-    return {"rc": rc, "results": results, "note": "timed out: the cases that ended are kept" if timed_out else ""}
+    return results_step(check, name, args, budget + 20, work / f"{name}.json")
 
 
 def step_flexgen(check: Check) -> dict:
