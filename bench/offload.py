@@ -171,6 +171,8 @@ def run_setup(setup: Setup, prompts: list, args, work: Path) -> dict:
         "weights_bytes_from_disk": tiers.bytes_from_disk if tiers else 0,
         "weights_peak_device_bytes": tiers.peak_bytes if tiers else 0,
         "kv_bytes_to_device": times.kv_bytes_to_device, "kv_bytes_to_host": times.kv_bytes_to_host,
+        "attention_bytes_to_host": times.attention_bytes_to_host,
+        "attention_bytes_to_device": times.attention_bytes_to_device,
         "plan_device_bytes": int(plan["device"]) if plan else None,
         "plan_parts": {k: int(v) for k, v in plan["parts"].items()} if plan else None,
         "cpu": cpu, "tokens": out,

@@ -87,7 +87,8 @@ def test_every_setup_runs_on_cupy_with_numpys_tokens(benches):
 
 def test_offloaded_runs_copy_only_from_pinned_memory_on_the_copy_stream(benches):
     """No pageable async copy during any run (the probe's deliberate ones happened before them, and counted); every
-    byte the tiers and the KV cache moved went through the stand-in's queued copies."""
+    byte the tiers, the KV cache and CPU attention delegation (its q, k, v down, outputs up) moved went through the
+    stand-in's queued copies."""
     _, cupy = benches
     assert cupy["pageable_total"] > 0                          # the pageable probe: the counter works
     offloaded = {k: v for k, v in cupy["runs"].items() if v["group"] != "reference"}
@@ -95,7 +96,7 @@ def test_offloaded_runs_copy_only_from_pinned_memory_on_the_copy_stream(benches)
     for name, run in offloaded.items():
         assert run["pageable"] == 0, name
         moved = run["weights_bytes_from_host"] + run["weights_bytes_from_disk"] + run["kv_bytes_to_device"] + \
-            run["kv_bytes_to_host"]
+            run["kv_bytes_to_host"] + run["attention_bytes_to_host"] + run["attention_bytes_to_device"]
         assert moved > 0 and run["copies"] > 0 and run["copy_bytes"] == moved, name
     assert cupy["runs"]["cache host: zig-zag"]["kv_bytes_to_host"] > 0
 
