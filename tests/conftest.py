@@ -25,6 +25,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "mpi: run under mpiexec with --with-mpi (pytest-mpi; min_size=N ranks)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds (real weights, many ranks)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU visible to cupy (skipped elsewhere)")
+    config.addinivalue_line("markers", "exhaustive: a kernel's whole test matrix on the emulator (a g++ build per "
+                            "variant); skipped unless HPCINFER_EXHAUSTIVE=1 (make test-exhaustive)")
     # Ranks race on pytest's temp-dir cleanup: without an explicit --basetemp, give each rank its own.
     # (tests/run_all.sh passes one; this covers a hand-typed `mpiexec -n 2 python -m pytest --with-mpi`.)
     rank = os.environ.get("PMI_RANK")
@@ -33,6 +35,17 @@ def pytest_configure(config):
 
         # The parent (Hydra's proxy) is shared by the ranks of one job on one node.
         config.option.basetemp = str(Path(tempfile.gettempdir()) / f"pytest-mpi-{os.getppid()}-rank{rank}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` keeps to each kernel's representative cases; `make test-exhaustive` (HPCINFER_EXHAUSTIVE=1) runs
+    the whole matrices too (each variant its own g++ build of the emulated kernel: minutes on 2 cores)."""
+    if os.environ.get("HPCINFER_EXHAUSTIVE") == "1":
+        return
+    skip = pytest.mark.skip(reason="a kernel matrix case: HPCINFER_EXHAUSTIVE=1 (make test-exhaustive) runs it")
+    for item in items:
+        if "exhaustive" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

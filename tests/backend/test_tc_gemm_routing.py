@@ -105,7 +105,7 @@ def _weights(rng, shape, dtype):
                                             (64, "bfloat16", "tc"), (65, "float16", "cublas"),
                                             (3, "float32", "sbi"), (17, "float32", "cublas")])
 @needs_emulator
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_linear_routes_by_tokens_and_dtype(routed, T, dtype, path):
     ops, paths = routed
     rng = np.random.default_rng(T)
@@ -119,7 +119,7 @@ def test_linear_routes_by_tokens_and_dtype(routed, T, dtype, path):
 @pytest.mark.parametrize("T, kind, gated, act", [(3, "rmsnorm", True, "silu"), (20, "layernorm", False, "gelu"),
                                                  (2, None, False, None)])
 @needs_emulator
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_fused_linear_on_tensor_cores_matches_numpy(routed, T, kind, gated, act):
     ops, paths = routed
     rng = np.random.default_rng(T + 7)
@@ -165,7 +165,7 @@ def test_a_captured_linear_of_64_tokens_calls_no_cublas(routed):
 
 
 @needs_emulator
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_decode_steps_of_33_float16_sequences_are_captured(emu_cupy):
     """A tiny float16 Llama (rotary, RMSNorm, GQA, SiLU-gated MLP) decoding 33 sequences: every projection of the
     step runs on tc_gemm, so the step is captured once and replayed (the SBI GEMV's 16 tokens made it eager before),
@@ -200,7 +200,7 @@ def test_decode_steps_of_33_float16_sequences_are_captured(emu_cupy):
 
 @pytest.mark.parametrize("mode, group", [("int8", 64), ("int4", 32)])
 @needs_emulator
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_linear_q_routes_2_to_64_tokens_to_tensor_cores(emu_cupy, monkeypatch, mode, group):
     from hpcinfer.backend.cupy_ops import CupyOps
     from hpcinfer.quant.formats import quantize

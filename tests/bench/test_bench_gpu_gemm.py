@@ -12,7 +12,7 @@ from bench import gpu_gemm, gpu_linear
 from hpcinfer.checkpoint.presets import PRESETS
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_gemm_sweep_times_each_path_in_a_graph(emu_cupy, tmp_path):
     argv = ["--shapes", "tiny-dense", "--tokens", "1,3", "--out", str(tmp_path), "--copy-mb", "1",
             "--spill-mb", "1"]

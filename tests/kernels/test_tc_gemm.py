@@ -197,7 +197,7 @@ def _close(got, ref, tol):
 
 # (storage, T, n_in, out, defines, splits): token buckets 8 .. 64, row and column tails, several stages and x
 # tiles, split-K into whole stages (also an empty last split), 1 to 4 warps, 2 m-tiles a warp.
-SLOW = pytest.mark.slow      # a g++ build per define set (~10 s on 2 shared cores): the matrix runs with the slow tests
+SLOW = pytest.mark.exhaustive   # a g++ build per define set (~10 s on 2 shared cores): make test-exhaustive
 SHAPES = [
     ("__half", 2, 128, 64, {"MAX_TOKENS": 8}, 1),
     pytest.param("__half", 5, 192, 80, {"MAX_TOKENS": 8, "WARPS": 2, "XK": 64}, 1, marks=SLOW),
@@ -220,7 +220,7 @@ def test_tc_gemm_matches_numpy(rng, storage, T, n_in, out, defines, splits):
 
 
 @pytest.mark.parametrize("storage", ["__half", "__nv_bfloat16"])
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_tc_gemm_without_x_split_rounds_x_once(rng, storage):
     dtype = np.float16 if storage == "__half" else BF16
     T, n_in, out = 6, 192, 48
