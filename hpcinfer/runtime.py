@@ -207,6 +207,7 @@ def _compute_setup(world, config, pp: int, ranks_per_node: int):
     _print_mesh(world, mesh, threads)
     ops = agree(world, lambda: make_ops(config.runtime.backend, device=mesh.local_rank, threads=threads,
                                         cpu_kernels=config.runtime.cpu_kernels, kv_dtype=gpu_kv_dtype(config)))
+    _print_kernels(world, ops)
     comm = agree(world, lambda: resolve_comm(config.runtime.comm, ops, world))
     agree(world, lambda: check_graphs_comm(config, comm))         # [runtime] cuda_graphs with tp over MPI
     return mesh, threads, ops, _groups(config, mesh, device_group_factory(comm, ops)), comm
@@ -268,6 +269,14 @@ def _fetch_group(mesh, nccl: bool = False):
     if nccl:
         return NcclGroup(group), False
     return group, MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+def _print_kernels(world, ops) -> None:
+    """Rank 0's console: the compiled CPU kernels' cold start (backend/cpu_kernels/compiled.py), on cupy CPU
+    attention delegation's. stdout, as the mesh: stderr carries only warnings and errors."""
+    warm_up = getattr(getattr(ops, "host_ops", ops), "kernel_warm_up", None)
+    if world.Get_rank() == 0 and warm_up is not None:
+        print(f"hpcinfer: cpu kernels (numba) {warm_up.describe()}", flush=True)
 
 
 def _print_mesh(world, mesh, threads: int) -> None:

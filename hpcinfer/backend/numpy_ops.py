@@ -44,8 +44,8 @@ class NumpyOps:
         self.cpu_kernels = cpu_kernels
         self.threads = usable_cores() if threads is None else max(1, int(threads))
         self.decode_attention = DecodeAttention(self.threads)
-        if cpu_kernels == "numba":          # the kernels run on the same `threads` as BLAS, never at once with it
-            compiled.warm_up()
+        # the kernels run on the same `threads` as BLAS, never at once with it; their cold start, once per process
+        self.kernel_warm_up = compiled.warm_up() if cpu_kernels == "numba" else None
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def asarray(self, array, dtype=None):

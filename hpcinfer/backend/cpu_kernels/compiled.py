@@ -9,21 +9,27 @@ job compiles (docs/cpu-kernels.md, measured cold and warm start).
 from __future__ import annotations
 
 import functools
-import logging
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from ...quant.formats import quantize
 from . import gemm, gemm_quant
 
-log = logging.getLogger("hpcinfer")
+class WarmUp(NamedTuple):
+    seconds: float       # to compile the kernels, or load them from the compile cache
+    compiled: bool       # anything had to be compiled (the first job on a machine, or after a change)
+
+    def describe(self) -> str:
+        how = "compiled (first run, now cached)" if self.compiled else "loaded from the compile cache"
+        return f"{how} in {self.seconds:.2f} s"
 
 
 @functools.cache
-def warm_up() -> float:
-    """Compile the kernels, or load them from the cache, once per process -> seconds taken; logged (how long, and
-    whether anything had to be compiled)."""
+def warm_up() -> WarmUp:
+    """Compile the kernels, or load them from the cache, once per process -> how long it took and whether anything
+    was compiled (the runtime prints it on rank 0's console: runtime._print_kernels)."""
     start = time.perf_counter()
     x = np.ones((3, 8), np.float32)
     for rows in (5, 6):                                   # odd and even row counts: one signature each kernel
@@ -32,8 +38,5 @@ def warm_up() -> float:
     w = np.arange(64, dtype=np.float32).reshape(4, 16)
     for mode in ("int8", "int4"):                        # int8 and uint8 q: one signature each
         gemm_quant.linear_q(np.ones((3, 16), np.float32), quantize(w, mode, group_size=8))
-    seconds = time.perf_counter() - start
     compiled = any(kernel.stats.cache_misses for kernel in gemm.KERNELS + gemm_quant.KERNELS)
-    log.info("cpu kernels (numba): %s in %.2f s", "compiled (first run, now cached)" if compiled else
-             "loaded from the compile cache", seconds)
-    return seconds
+    return WarmUp(time.perf_counter() - start, compiled)
