@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -172,15 +173,19 @@ def _build(label: str, prelude: str, sigs, options: list[str], source_texts: lis
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     library = BUILD_DIR / f"{key}.so"
     if not library.exists():
-        cpp = BUILD_DIR / f"{key}.cpp"
+        # Files of this process and thread alone: MPI ranks building the same key at once (thread ids repeat
+        # across processes) must not write one file while another's g++ reads it.
+        unique = f"{os.getpid()}.{threading.get_ident()}"
+        cpp = BUILD_DIR / f"{key}.{unique}.cpp"
         cpp.write_text(code)
-        tmp = library.with_suffix(f".{threading.get_ident()}.tmp")
+        tmp = library.with_suffix(f".{unique}.tmp")
         cmd = ["g++", *FLAGS, f"-I{toolkit_include()}", f"-I{CUDA_SRC}", "-include", str(EMU_HEADER), *options,
                str(cpp), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"emulator build of {label} failed:\n{' '.join(cmd)}\n{proc.stderr[-8000:]}")
         tmp.replace(library)   # atomic: a concurrent build of the same key is harmless
+        cpp.replace(BUILD_DIR / f"{key}.cpp")      # the source kept beside it, to read
     module = EmulatedModule(ctypes.CDLL(str(library)), sigs, library)
     _modules[key] = module
     return module

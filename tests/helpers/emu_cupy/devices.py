@@ -100,8 +100,10 @@ class Event:
 
     @property
     def done(self) -> bool:
-        """True once the queued copies before the record have run (a query: runs nothing)."""
-        return all(stream._flushed >= mark for stream, mark in list(self._marks.items()))
+        """True once the queued copies before the record have run (a query: runs nothing). Under the lock: another
+        thread may be running them (a pinned buffer is reused on this answer)."""
+        with state._state.lock:
+            return all(stream._flushed >= mark for stream, mark in list(self._marks.items()))
 
 
 class Stream:
@@ -182,10 +184,10 @@ class Stream:
         with state._state.lock:
             while self._queue and (upto is None or self._flushed < upto):
                 copy = self._queue.pop(0)
-                self._flushed += 1
                 if not self._queue:
                     state._state.queued.discard(self)
                 copy.run()
+                self._flushed += 1          # after the copy ran: an event is done only then (cudaEventQuery)
 
     def __repr__(self):
         return f"<Stream {self.ptr} (emulated)>"
