@@ -14,7 +14,7 @@
 #
 # Environment (all optional):
 #   VENV (.venv), PY ($VENV/bin/python), MPIEXEC ($VENV/bin/mpiexec), TESTS_DIR (tests),
-#   MPI_SIZES ("2 4"), MPI_TIMEOUT (900: seconds per MPI run), SINGLE_TIMEOUT (2400: seconds),
+#   MPI_SIZES ("2 4"), MPI_TIMEOUT (900: seconds per MPI run), SINGLE_TIMEOUT (3300: seconds),
 #   LOG_DIR (out/test-logs), PYTEST_ARGS (extra arguments for every run, e.g. "-k comm -x"),
 #   KEEP_TMP=1 (keep the pytest temp dirs).
 set -uo pipefail
@@ -26,7 +26,7 @@ MPIEXEC=${MPIEXEC:-$VENV/bin/mpiexec}
 TESTS_DIR=${TESTS_DIR:-tests}
 MPI_SIZES=${MPI_SIZES:-2 4}
 MPI_TIMEOUT=${MPI_TIMEOUT:-900}
-SINGLE_TIMEOUT=${SINGLE_TIMEOUT:-2400}
+SINGLE_TIMEOUT=${SINGLE_TIMEOUT:-3300}
 LOG_DIR=${LOG_DIR:-out/test-logs}
 read -ra EXTRA <<<"${PYTEST_ARGS:-}"
 COMMON=(-q -p no:cacheprovider --color=no)
