@@ -25,6 +25,12 @@
 //
 // Defines: T_STORAGE (__half | __nv_bfloat16), T_ACT (float), MAX_TOKENS (8 | 16 | 32 | 64), WARPS (4), MT (1),
 // STAGES (4), XK (256), XSPLIT (1), NORM (0), NORM_BIAS (1), ACT, HAS_BIAS, HAS_RESIDUAL, GATED (0).
+#ifndef T_STORAGE                       // the tensor cores take 16-bit inputs: __half unless told (common.cuh's
+#define T_STORAGE __half                // float default would not compile here)
+#endif
+#ifndef T_ACT
+#define T_ACT float
+#endif
 #include "tc_core.cuh"
 
 #define W_STAGE_BYTES (NRT * 16 * KS * 2)   // one warp's stage: NRT m-tiles x 16 rows x 128 bytes

@@ -21,6 +21,12 @@
 //
 // Defines: QBITS, QSIGNED, HAS_MIN, GROUP (quant_core.cuh; GROUP a multiple of 16 at 8 bits, 32 at 4 bits); T_STORAGE
 // (the mma type, __half or __nv_bfloat16: __half keeps more of x with XSPLIT) and the defines of tc_gemm.cu.
+#ifndef T_STORAGE                       // the tensor cores take 16-bit inputs: __half unless told (common.cuh's
+#define T_STORAGE __half                // float default would not compile here)
+#endif
+#ifndef T_ACT
+#define T_ACT float
+#endif
 #include "quant_core.cuh"
 #include "tc_core.cuh"
 
