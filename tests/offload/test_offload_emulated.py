@@ -55,7 +55,10 @@ def test_streamed_weights_on_emulated_cupy_give_numpys_tokens_and_bytes(prompts,
         # (the stand-in runs such a copy only when an event after it is waited on: a read without the wait fails)
         assert emu._state.pageable_async_copies == 0
         kv_moved = times.kv_bytes_to_device + times.kv_bytes_to_host
-        assert emu._state.async_copy_bytes == gpu_tiers.bytes_from_host + gpu_tiers.bytes_from_disk + kv_moved
+        delegated = times.attention_bytes_to_host + times.attention_bytes_to_device   # CPU attention's q, k, v, out
+        assert emu._state.async_copy_bytes == (gpu_tiers.bytes_from_host + gpu_tiers.bytes_from_disk + kv_moved
+                                               + delegated)
+        assert (delegated > 0) == (placement == "cpu-attention")
         assert (kv_moved > 0) == (placement == "zigzag-kv-host")
         assert gpu_tiers.streamed, "no layer was streamed"
         for i in gpu_tiers.streamed:                                 # what was streamed is the backend's
