@@ -26,7 +26,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds (real weights, many ranks)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU visible to cupy (skipped elsewhere)")
     config.addinivalue_line("markers", "exhaustive: a kernel's whole test matrix on the emulator (a g++ build per "
-                            "variant); skipped unless HPCINFER_EXHAUSTIVE=1 (make test-exhaustive)")
+                            "variant) or a whole rehearsal of a GPU command; skipped unless HPCINFER_EXHAUSTIVE=1 "
+                            "(make test-exhaustive)")
     # Ranks race on pytest's temp-dir cleanup: without an explicit --basetemp, give each rank its own.
     # (tests/run_all.sh passes one; this covers a hand-typed `mpiexec -n 2 python -m pytest --with-mpi`.)
     rank = os.environ.get("PMI_RANK")
@@ -39,10 +40,11 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """`make test` keeps to each kernel's representative cases; `make test-exhaustive` (HPCINFER_EXHAUSTIVE=1) runs
-    the whole matrices too (each variant its own g++ build of the emulated kernel: minutes on 2 cores)."""
+    the whole matrices too (each variant its own g++ build of the emulated kernel: minutes on 2 cores), and the
+    gpu-check rehearsal with its end-to-end step."""
     if os.environ.get("HPCINFER_EXHAUSTIVE") == "1":
         return
-    skip = pytest.mark.skip(reason="a kernel matrix case: HPCINFER_EXHAUSTIVE=1 (make test-exhaustive) runs it")
+    skip = pytest.mark.skip(reason="exhaustive: HPCINFER_EXHAUSTIVE=1 (make test-exhaustive) runs it")
     for item in items:
         if "exhaustive" in item.keywords:
             item.add_marker(skip)

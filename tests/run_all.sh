@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test suite, then sums them up:
-#   1. one process:  pytest tests                            (tests marked `mpi` skip themselves)
+#   1. no MPI:       pytest -n W --dist loadfile tests       (tests marked `mpi` skip themselves; W pytest-xdist
+#                                                             workers, a test file per worker at a time)
 #   2. 2 MPI ranks:  mpiexec -n 2 pytest --with-mpi -m mpi tests
 #   3. 4 MPI ranks:  mpiexec -n 4 pytest --with-mpi -m mpi tests
 # Under MPI every rank writes its own output file (interleaved reports glue summary lines together), its own
@@ -15,6 +16,7 @@
 # Environment (all optional):
 #   VENV (.venv), PY ($VENV/bin/python), MPIEXEC ($VENV/bin/mpiexec), TESTS_DIR (tests),
 #   MPI_SIZES ("2 4"), MPI_TIMEOUT (900: seconds per MPI run), SINGLE_TIMEOUT (3300: seconds),
+#   WORKERS (the cores, at most 4; 0: one process, no pytest-xdist),
 #   LOG_DIR (out/test-logs), PYTEST_ARGS (extra arguments for every run, e.g. "-k comm -x"),
 #   KEEP_TMP=1 (keep the pytest temp dirs).
 set -uo pipefail
@@ -30,7 +32,12 @@ SINGLE_TIMEOUT=${SINGLE_TIMEOUT:-3300}
 LOG_DIR=${LOG_DIR:-out/test-logs}
 read -ra EXTRA <<<"${PYTEST_ARGS:-}"
 COMMON=(-q -p no:cacheprovider --color=no)
-NPROC=$(nproc 2>/dev/null || echo 1)
+NPROC=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)   # nproc honours OMP_*
+WORKERS=${WORKERS:-$((NPROC < 4 ? NPROC : 4))}
+XDIST=()
+if [ "$WORKERS" -ge 2 ] && "$PY" -c "import xdist" 2>/dev/null; then
+    XDIST=(-n "$WORKERS" --dist loadfile)
+fi
 
 mkdir -p "$LOG_DIR"
 TMP_ROOT=$(mktemp -d "${TMPDIR:-/tmp}/hpcinfer-tests.XXXXXX")
@@ -95,14 +102,14 @@ record() {
 
 run_single() {
     local log="$LOG_DIR/single.out" rc
-    echo "=== [single process] $PY -m pytest ${COMMON[*]}${EXTRA[*]:+ ${EXTRA[*]}} $TESTS_DIR"
-    timeout -k 30 "$SINGLE_TIMEOUT" "$PY" -m pytest "${COMMON[@]}" --basetemp "$TMP_ROOT/single" \
+    echo "=== [without MPI] $PY -m pytest ${COMMON[*]}${XDIST[*]:+ ${XDIST[*]}}${EXTRA[*]:+ ${EXTRA[*]}} $TESTS_DIR"
+    timeout -k 30 "$SINGLE_TIMEOUT" "$PY" -m pytest "${COMMON[@]}" "${XDIST[@]}" --basetemp "$TMP_ROOT/single" \
         "${EXTRA[@]}" "$TESTS_DIR" </dev/null 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
-    [ "$rc" = 124 ] && echo "!!! single-process run killed after ${SINGLE_TIMEOUT}s"
-    [ "$rc" = 5 ] && echo "!!! single-process run selected no test: that is a failure here"
-    echo "=== [single process] pytest exit $rc"
-    record "single process" "$([ "$rc" = 0 ] && echo 0 || echo 1)" "$log"
+    [ "$rc" = 124 ] && echo "!!! run without MPI killed after ${SINGLE_TIMEOUT}s"
+    [ "$rc" = 5 ] && echo "!!! run without MPI selected no test: that is a failure here"
+    echo "=== [without MPI] pytest exit $rc"
+    record "without MPI" "$([ "$rc" = 0 ] && echo 0 || echo 1)" "$log"
 }
 
 # Each rank: pytest with its own --basetemp, then its exit code into DIR/rc.RANK.

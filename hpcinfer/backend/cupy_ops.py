@@ -28,6 +28,7 @@ S=sequences in the step, L=cached positions read, N=cache slots, Lmax=cache leng
 
 from __future__ import annotations
 
+import ctypes
 from functools import cache
 
 import numpy as np
@@ -51,9 +52,19 @@ def _import_cupy():
     return cupy
 
 
+def _driver_loads() -> bool:
+    """The NVIDIA driver's library loads: without it no CUDA device is usable, and the import of cupy (about 1 s
+    of CPU per rank, most of it ml_dtypes) is skipped."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def gpu_available() -> bool:
     """cupy is installed and sees at least one usable CUDA device (False without cupy, driver or GPU)."""
-    cupy = _import_cupy()
+    cupy = _import_cupy() if _driver_loads() else None
     if cupy is None:
         return False
     try:

@@ -15,7 +15,7 @@ from hpcinfer.checkpoint.presets import PRESETS
 
 @pytest.mark.slow
 def test_gpu_linear_rows_per_tiling_and_norm(emu_cupy, tmp_path, capsys):
-    tilings = ["rows", "cols", "rows:2x2x1"]
+    tilings = ["cols", "rows:2x2x1"]          # "rows", the default, is what every other gpu_linear test times
     argv = ["--preset", "tiny-dense", "--tokens", "1,3", "--tiling", ",".join(tilings), "--norm", "none,layernorm",
             "--out", str(tmp_path), "--copy-mb", "1", "--spill-mb", "1"]
     assert gpu_linear.main(argv) == 0

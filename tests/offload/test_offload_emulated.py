@@ -41,8 +41,13 @@ def run(ops, prompts, off, quantize):
     return [tokens for tokens, _ in out], model.weights, times
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+# every placement in float; each quantized weight format over the placements that move it differently (a layer at
+# a time from host memory, from disk, and zig-zag beside host attention)
+CASES = ([(placement, None) for placement in PLACEMENTS]
+         + [("host", "int8"), ("cpu-attention", "int8"), ("disk", "int4"), ("zigzag-kv-host", "int4")])
+
+
+@pytest.mark.parametrize("placement, quantize", CASES)
 def test_streamed_weights_on_emulated_cupy_give_numpys_tokens_and_bytes(prompts, tmp_path, placement, quantize):
     off = offload(tmp_path, **PLACEMENTS[placement])
     want, cpu_tiers, _ = run(NumpyOps(), prompts, off, quantize)
