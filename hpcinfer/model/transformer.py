@@ -120,15 +120,15 @@ class Decoder:
     def rope_for(self, step):
         return self.rope(step.positions) if self.rope is not None else None
 
-    def run_layer(self, i: int, x, step, cache, rope):       # local layer i: x [T, D] -> [T, D]
+    def run_layer(self, i: int, x, step, cache, rope):       # local layer i: x [T, D] -> [T, D] (zig-zag's order)
         return self.blocks[i](x, cache.layer_step(i, step), cache.k[i], cache.v[i], rope)
 
     def run_layers(self, x, step, cache):                     # x [T, D] -> [T, D]
         rope = self.rope_for(step)
-        for i in range(len(self.blocks)):
+        for i, block in enumerate(self.blocks):
             if self.weights is not None:                      # streamed weights (offload/tiers.py)
                 self.weights.fetch(i)
-            x = self.run_layer(i, x, step, cache, rope)
+            x = block(x, cache.layer_step(i, step), cache.k[i], cache.v[i], rope)      # (run_layer, one frame less)
             if self.weights is not None:
                 self.weights.release(i)
         return x

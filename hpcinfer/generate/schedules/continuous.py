@@ -112,7 +112,7 @@ class ContinuousScheduler:
         self.in_flight: deque[_InFlight] = deque()
         self.busy: set = set()                          # ids of the running sequences some step in flight holds
         self.after_step = after_step
-        self.applies_tokens = not stage.stage_step.runner.model.stage.is_last   # the last stage records its own
+        self.applies_tokens = not stage.runner.model.stage.is_last   # the last stage records its own
 
     def run(self) -> None:
         """Launch a step whenever one fits (in lockstep: every round, empty or not) and take the oldest step's
@@ -126,7 +126,7 @@ class ContinuousScheduler:
                 self._admit()
                 plan = self._plan()
                 if plan or self.lockstep is not None:
-                    self._launch(plan)
+                    self.stage.launch(*self._step_inputs(plan))
                     launched = True
             if self.in_flight and (len(self.in_flight) >= self.params.in_flight or not launched):
                 if self._receive():
@@ -221,8 +221,9 @@ class ContinuousScheduler:
         self.times.preemptions += 1
 
     # ---- a step out and its tokens back ----------------------------------------------------------------------
-    def _launch(self, plan: list[tuple[_Running, int]]) -> None:
-        """Hand the plan's tokens to the stage, with the rows that sample (those whose tokens are then all in)."""
+    def _step_inputs(self, plan: list[tuple[_Running, int]]) -> tuple[dict, np.ndarray]:
+        """The plan as a step for the stage: (header with the rows that sample, those whose tokens are then all
+        in; token ids [T]), its sequences marked busy and the step in flight."""
         self._record_occupancy(plan)
         ids = [r.seq.index for r, _ in plan]
         starts = [r.computed for r, _ in plan]
@@ -234,7 +235,7 @@ class ContinuousScheduler:
         header["sample"] = [row for row, (r, _) in enumerate(plan) if r.pending == 0]
         self.busy.update(ids)
         self.in_flight.append(_InFlight(plan, header["sample"], time.perf_counter()))
-        self.stage.launch(header, tokens)
+        return header, tokens
 
     def _receive(self) -> bool:
         """The oldest step's tokens: record them, retire the finished (their blocks go back), then after_step."""
@@ -316,11 +317,11 @@ def run_sequences(runner: Runner, seqs: list, times: StepTimes, params: Continuo
     prompt_logits: a dict the last stage fills with each sequence's first-token logits [V], by index."""
     check_fits(seqs, cache, name)
     runner.times = times                                # the run's steps are timed there (Runner.step)
-    stage_step = StageStep(runner, cache, seqs, times, graphs, prompt_logits)
+    step_args = (runner, cache, seqs, times, graphs, prompt_logits)
     try:
         if not runner.model.stage.is_first:
-            return serve(stage_step, link, end_round)
-        stage = LocalStage(stage_step) if link is None else FirstStage(stage_step, link)
+            return serve(StageStep(*step_args), link, end_round)
+        stage = LocalStage(*step_args) if link is None else FirstStage(StageStep(*step_args), link)
         try:
             ContinuousScheduler(stage, cache, seqs, params, times, after_step, lockstep, groups).run()
         finally:

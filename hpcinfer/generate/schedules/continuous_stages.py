@@ -59,15 +59,17 @@ class StageStep:
         return taken
 
 
-class LocalStage:
-    """pp = 1: a launched step runs at once; its reply waits for `receive`."""
+class LocalStage(StageStep):
+    """pp = 1: a launched step runs at once, its layers and its samples (StageStep's work, called without a frame
+    of its own); its reply waits for `receive`."""
 
-    def __init__(self, stage_step: StageStep):
-        self.stage_step = stage_step
+    def __init__(self, runner: Runner, cache, seqs: list, times, graphs=None, prompt_logits: dict | None = None):
+        super().__init__(runner, cache, seqs, times, graphs, prompt_logits)
         self.replies: deque = deque()
 
     def launch(self, header: dict, tokens) -> None:
-        self.replies.append(self.stage_step(header, {"tokens": tokens}))
+        logits = self.runner.step(self.cache, header["layout"], {"tokens": tokens}, self.graphs)
+        self.replies.append(self._sample(header, logits))
 
     def receive(self) -> dict:
         return self.replies.popleft()
@@ -81,7 +83,7 @@ class FirstStage:
     comm.pipeline.StageLink); `receive` waits for the oldest step's tokens from the last stage."""
 
     def __init__(self, stage_step: StageStep, link):
-        self.stage_step, self.link = stage_step, link
+        self.stage_step, self.link, self.runner = stage_step, link, stage_step.runner
 
     def launch(self, header: dict, tokens) -> None:
         self.link.send_to_next_stage(header, self.stage_step(header, {"tokens": tokens}))
