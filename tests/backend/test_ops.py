@@ -261,3 +261,22 @@ def test_make_ops_gives_numpy_the_ranks_threads():
     it, the usable cores, as OpenBLAS's own default."""
     assert make_ops("numpy", threads=3).decode_attention.threads == 3
     assert make_ops("numpy").decode_attention.threads == numpy_decode.usable_cores()
+
+
+def test_auto_without_a_driver_picks_numpy_without_importing_cupy():
+    """backend = "auto" on a machine whose NVIDIA driver library does not load: NumPy, and cupy (about 1 s of
+    import per rank) is never imported."""
+    import ctypes
+    import subprocess
+    import sys
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("the NVIDIA driver's library loads here")
+    except OSError:
+        pass
+    probe = ("import sys; from hpcinfer.backend.ops import make_ops; "
+             "print(make_ops('auto').name, 'cupy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["numpy", "False"]

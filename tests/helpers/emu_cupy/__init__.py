@@ -210,7 +210,8 @@ def install(monkeypatch, devices: int = 1, sm_count: int = 2) -> types.ModuleTyp
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     cp = modules["cupy"]
-    monkeypatch.setattr(cupy_ops, "_import_cupy", lambda: cp)
+    monkeypatch.setattr(cupy_ops, "_driver_loads", lambda: True)   # the emulated machine has its driver (for a
+    monkeypatch.setattr(cupy_ops, "_import_cupy", lambda: cp)      # gpu_available imported before the install)
     monkeypatch.setattr(cupy_ops, "gpu_available", lambda: True)
     loader.clear_cache()
     monkeypatch.setattr(loader, "_modules", {})       # kernels loaded on the fake stay with it
