@@ -38,6 +38,7 @@ XDIST=()
 if [ "$WORKERS" -ge 2 ] && "$PY" -c "import xdist" 2>/dev/null; then
     XDIST=(-n "$WORKERS" --dist loadfile)
 fi
+SLOWEST=(--durations=25)                         # the run's slowest tests, for keeping make test within its time
 
 mkdir -p "$LOG_DIR"
 TMP_ROOT=$(mktemp -d "${TMPDIR:-/tmp}/hpcinfer-tests.XXXXXX")
@@ -103,7 +104,7 @@ record() {
 run_single() {
     local log="$LOG_DIR/single.out" rc
     echo "=== [without MPI] $PY -m pytest ${COMMON[*]}${XDIST[*]:+ ${XDIST[*]}}${EXTRA[*]:+ ${EXTRA[*]}} $TESTS_DIR"
-    timeout -k 30 "$SINGLE_TIMEOUT" "$PY" -m pytest "${COMMON[@]}" "${XDIST[@]}" --basetemp "$TMP_ROOT/single" \
+    timeout -k 30 "$SINGLE_TIMEOUT" "$PY" -m pytest "${COMMON[@]}" "${XDIST[@]}" "${SLOWEST[@]}" --basetemp "$TMP_ROOT/single" \
         "${EXTRA[@]}" "$TESTS_DIR" </dev/null 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] && echo "!!! run without MPI killed after ${SINGLE_TIMEOUT}s"
