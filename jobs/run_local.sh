@@ -35,7 +35,7 @@ if [ -z "$ranks" ]; then
         per_node=$(sbatch_value ntasks-per-node)
         wanted=$(( ${nodes:-1} * ${per_node:-1} ))
     fi
-    cap=${HPCINFER_LOCAL_RANKS:-$(nproc)}
+    cap=${HPCINFER_LOCAL_RANKS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}   # the cores (nproc alone honours OMP_*)
     [ "$cap" -le 4 ] || cap=4
     ranks=$(( wanted < cap ? wanted : cap ))
     [ "$ranks" -ge 1 ] || ranks=1
