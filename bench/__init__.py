@@ -17,6 +17,7 @@ hpcinfer/bench/suites) is what a user runs.
     quant.py          bytes and decode time per quantization mode (make bench-quant)
     encoder.py        encoders (MiniLM) against transformers (make bench-encoder)
     perplexity.py     SmolLM2 perplexity per weight- and KV-quantization mode (docs/quantization.md)
+    abab.py           this checkout against an earlier commit, in turns (A B A B): tokens/s of the same jobs
     planner_check.py  the performance model against measurements here, and the papers' scale claims (make
                       planner-check)
 
