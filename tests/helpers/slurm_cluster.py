@@ -51,6 +51,11 @@ FAST_REQUEUE = {"cred_expire": 5, "sched_interval": 1, "bf_interval": 1}
 # The variables of a surrounding Slurm job or command, dropped from this cluster's commands and jobs.
 OUTER_SLURM_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_", "SCONTROL_")
 
+# Job ids start at a random one per cluster: MPICH names a job's shared state by its PMI job id (SLURM_JOB_ID and
+# step), so two clusters that both number from 1 (pytest-xdist workers running tests/slurm/ files at once) crossed
+# their ranks' messages ("Message from rank 1 and tag 7 truncated" in MPI_Init, 2026-12-02).
+JOB_ID_RANGE = (1_000, 60_000_000)              # Slurm's MaxJobId is 67,043,328
+
 # Job states of a job that has ended (and is no longer COMPLETING: its processes are gone).
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}
@@ -130,6 +135,7 @@ class SlurmCluster:
         self.munge_dir = self.root / "munge"
         self.socket = self.munge_dir / "munge.socket"
         self.node_names = [self.host] if nodes == 1 else [f"n{i + 1}" for i in range(nodes)]
+        self.first_job_id = JOB_ID_RANGE[0] + secrets.randbelow(JOB_ID_RANGE[1] - JOB_ID_RANGE[0])
         self._daemons: dict[str, subprocess.Popen] = {}
         self._stopped = False
         self.started_s = None
@@ -202,6 +208,7 @@ class SlurmCluster:
             "ReturnToService=2",
             "KillWait=10",
             "MinJobAge=600",
+            f"FirstJobId={self.first_job_id}",
             "SlurmctldTimeout=30",
             "SlurmdTimeout=60",
             "InactiveLimit=0",

@@ -68,6 +68,18 @@ def test_the_slurm_config_is_the_recipes(available):
         assert key in conf and key in doc, key
 
 
+def test_clusters_number_their_jobs_apart(available):
+    """Two clusters at once (pytest-xdist workers) must not both start at job 1: MPICH keys a job's shared state by
+    its job id, and their ranks' messages crossed."""
+    clusters = [SlurmCluster(), SlurmCluster()]
+    try:
+        firsts = [int(c.slurm_conf().split("FirstJobId=")[1].split()[0]) for c in clusters]
+    finally:
+        for c in clusters:
+            c.stop()
+    assert firsts[0] != firsts[1] and all(slurm_cluster.JOB_ID_RANGE[0] <= f < 67_043_328 for f in firsts)
+
+
 def test_stop_ends_daemons_and_a_running_job(available):
     cluster = SlurmCluster().start()
     try:

@@ -34,7 +34,8 @@ def _chat_prompts(path, ids):
 def _assert_completed(cluster, job, log, timeout) -> str:
     info = cluster.wait_done(job, timeout=timeout)
     text = read_log(log)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (info, text)
+    if (info["JobState"], info["ExitCode"], info["Restarts"]) != ("COMPLETED", "0:0", "0"):
+        pytest.fail(f"job {job}: {info}\n--- its log ---\n{text}\n--- the daemons' logs ---\n{cluster.log_tails()}")
     assert "error" not in text.lower().replace("stderr", ""), text
     return text
 
