@@ -151,13 +151,37 @@ def test_quantized_linear_matches_numpy(mode, group, rows, cols, tokens):
     close(KERNELS.linear_q(x, qt, bias), REFERENCE.linear_q(x, qt, bias))
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_rows_are_batch_invariant(mode):
-    x, w, _ = data(8, 21, 128, seed=5)
-    qt = quantize(w, mode, 32)
+@pytest.mark.parametrize("mode,group", [("int8", 0), ("q8_0", 32), ("asym8", 16), ("int4", 64), ("q4_1", 32)])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 192), (21, 128)])
+def test_one_token_matches_numpy(mode, group, rows, cols):
+    """1 token (a decode step) computes no padding token: every output against the NumPy twin."""
+    x, w, rng = data(1, rows, cols, seed=cols)
+    qt = quantized(w, mode, group or 64)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    close(KERNELS.linear_q(x, qt), REFERENCE.linear_q(x, qt))
+    close(KERNELS.linear_q(x, qt, bias), REFERENCE.linear_q(x, qt, bias))
+
+
+@pytest.mark.parametrize("rows,cols", [(5, 1), (13, 67), (33, 97), (4, 1000)])
+def test_int8_rows_of_any_width(rows, cols):
+    """int8's one group is the whole row: widths that are no multiple of the vector lanes (the dot's tails)."""
+    x, w, _ = data(5, rows, cols, seed=cols)
+    qt = quantize(w, "int8")
     together = KERNELS.linear_q(x, qt)
-    for t in range(8):
+    close(together, REFERENCE.linear_q(x, qt))
+    for t in range(5):
         assert np.array_equal(KERNELS.linear_q(x[t:t + 1], qt)[0], together[t]), t
+
+
+@pytest.mark.parametrize("mode,group", [("int8", 0), ("q8_0", 32), ("asym8", 64), ("int4", 32), ("q4_1", 32)])
+@pytest.mark.parametrize("rows,cols", [(21, 128), (40, 576), (3, 1536)])
+def test_quantized_rows_are_batch_invariant(mode, group, rows, cols):
+    x, w, rng = data(16, rows, cols, seed=5)
+    qt, bias = quantized(w, mode, group or 64), rng.standard_normal(rows).astype(np.float32)
+    together = KERNELS.linear_q(x, qt, bias)
+    for t in range(16):
+        assert np.array_equal(KERNELS.linear_q(x[t:t + 1], qt, bias)[0], together[t]), t
+        assert np.array_equal(KERNELS.linear_q(x[t:t + 3], qt, bias)[0], together[t]), t     # first of 3
 
 
 def test_quantized_numpy_setting_never_calls_the_kernels(monkeypatch):
