@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant.kv import QuantizedKV
+from ..quant.kv import QuantizedKV, kv_map, kv_parts
 from . import kv_attention
 from .interface import StepLayout
 
@@ -139,22 +139,12 @@ class DensePart:
         """q [T', H, hd]; k, v [T', Hkv, hd] -> [T', H*hd]; the new rows end up in the pools."""
         xp = getattr(ops, "xp", np)
         take = lambda a: xp.take(a.reshape(-1, a.shape[-1]), self.gather, axis=0)     # [S', Hkv, L, X]
-        scratch_k, scratch_v = (_each_array(pool, take) for pool in (pool_k, pool_v))
+        scratch_k, scratch_v = (kv_map(pool, take) for pool in (pool_k, pool_v))
         out = dense_attention(ops, q, k, v, scratch_k, scratch_v, self.dense, scale, topk)
         for pool, scratch in ((pool_k, scratch_k), (pool_v, scratch_v)):
-            for dst, src in zip(_arrays(pool), _arrays(scratch)):
+            for dst, src in zip(kv_parts(pool), kv_parts(scratch)):
                 dst.reshape(-1, dst.shape[-1])[self.dst] = src.reshape(-1, src.shape[-1])[self.src]
         return out
-
-
-def _arrays(pool) -> tuple:
-    """The stored arrays of a pool or scratch: (q, scale, min) of a QuantizedKV, else the float array."""
-    return pool.parts() if isinstance(pool, QuantizedKV) else (pool,)
-
-
-def _each_array(pool, fn):
-    """fn applied to each stored array (a QuantizedKV stays one)."""
-    return pool.map(fn) if isinstance(pool, QuantizedKV) else fn(pool)
 
 
 def _row_index(tables, L: int, kv_heads: int, bs: int) -> np.ndarray:

@@ -11,7 +11,7 @@ import numpy as np
 from ..backend.kv_attention import SplitRows
 from ..backend.numpy_ops import NumpyOps
 from ..offload.sizes import device_rows
-from ..quant.kv import QuantizedKV
+from ..quant.kv import kv_map, kv_parts
 from .kv_cache import KVCache
 
 
@@ -153,9 +153,9 @@ class HostKV:
     def _pairs(self, rows: KVCache, layer: int, b: int, slot: int, positions: slice, staged_rows: slice):
         window = (slice(None), slice(None), positions)
         staging, n = self.staging[slot], self.sizes[b]
-        own = [p for part in (rows.k[layer], rows.v[layer]) for p in _parts(part[window])]
+        own = [p for part in (rows.k[layer], rows.v[layer]) for p in kv_parts(part[window])]
         staged = [p for part in (staging.k[0][:n], staging.v[0][:n])
-                  for p in _parts(_as_rows(part)[staged_rows][window])]
+                  for p in kv_parts(_as_rows(part)[staged_rows][window])]
         return own, staged
 
 
@@ -163,7 +163,7 @@ def _as_rows(cache):
     """One layer's K or V of N sequences [N, Hkv, L, X] (each part of a QuantizedKV) as [N Hkv, 1, L, X] rows: a
     view, the arrays are contiguous."""
     flat = lambda a: a.reshape(a.shape[0] * a.shape[1], 1, *a.shape[2:])
-    return cache.map(flat) if isinstance(cache, QuantizedKV) else flat(cache)
+    return kv_map(cache, flat)
 
 
 class _SplitView:
@@ -200,8 +200,3 @@ class PinnedHostOps(NumpyOps):
         out = self.copies.host_buffer(shape, dtype)
         out[...] = 0
         return out
-
-
-def _parts(rows) -> tuple:
-    """A float array, or a QuantizedKV's arrays."""
-    return rows.parts() if isinstance(rows, QuantizedKV) else (rows,)

@@ -160,6 +160,17 @@ class QuantizedKV:
         return dequantize_rows(self.q[index], self.scale[index], self.min[index], self.fmt, out, scratch)
 
 
+def kv_parts(rows) -> tuple:
+    """The stored arrays of KV rows: (q, scale, min) of a QuantizedKV, or (the float array,)."""
+    return rows.parts() if isinstance(rows, QuantizedKV) else (rows,)
+
+
+def kv_map(rows, fn):
+    """KV rows with fn applied to each stored array (a slot taken, a view reshaped, moved to host or device): a
+    QuantizedKV stays one, a float array becomes fn's result."""
+    return rows.map(fn) if isinstance(rows, QuantizedKV) else fn(rows)
+
+
 def kv_bytes_per_token(kv_heads: int, head_dim: int, layers: int, kv_format: KVFormat | None = None) -> int:
     row = head_dim * np.dtype(np.float32).itemsize if kv_format is None else kv_format.row_bytes(head_dim)
     return 2 * kv_heads * row * layers
