@@ -100,7 +100,8 @@ def report(result: dict) -> str:
              f"{result.get('cpu_kernels') or 'as each side defaults'}, greedy, up to {MAX_NEW} new "
              f"tokens; {m['cpu_model']}, {m['cpus_online']} cores; B = commit {result['commit']}. Rounds taken in "
              f"turns A B A B after an untimed warm-up per side.", "",
-             "| case | prompts | batch_size | A tokens/s (rounds) | B tokens/s (rounds) | B / A (medians) | same tokens |",
+             "| case | prompts | batch_size | A tokens/s (rounds) | B tokens/s (rounds) | B / A (medians) "
+             "| same tokens |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)

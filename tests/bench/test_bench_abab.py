@@ -20,7 +20,8 @@ def test_rounds_alternate_and_the_ratio_is_of_the_timed_medians(tmp_path, monkey
 
     monkeypatch.setattr(abab, "run_case", fake_run)
     rows = abab.compare({"A": Path("a"), "B": Path("b")}, ["decode1"], 3, tmp_path)
-    assert calls == [("warm-up", "A"), ("warm-up", "B")] + [("decode1", t) for t in ("A0", "B0", "A1", "B1", "A2", "B2")]
+    timed = [("decode1", tag) for tag in ("A0", "B0", "A1", "B1", "A2", "B2")]
+    assert calls == [("warm-up", "A"), ("warm-up", "B")] + timed
     row = rows[0]
     assert (row["A_median"], row["B_median"]) == (20.0, 18.0) and abs(row["ratio"] - 0.9) < 1e-12
     assert row["A"] == [10.0, 30.0, 20.0] and row["same_tokens"] is False
