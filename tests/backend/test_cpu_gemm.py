@@ -1,7 +1,7 @@
 """The compiled small-batch GEMM (backend/cpu_kernels/gemm.py) against its NumPy twin (NumpyOps with cpu_kernels =
-"numpy"): plain, with every fusion (norm before, bias / activation / gate-up / residual after), odd sizes and 1..64
-tokens, int8 / q8_0 / asym8 / int4 / q4_1 weights (gemm_quant.py); batch invariance (a token's row is the same bits alone or among
-others); and the switch."""
+"numpy"): plain, with every fusion (norm before, bias / activation / gate-up / residual after), odd sizes, blocks of
+rows ended part way and 1..64 tokens, int8 / q8_0 / asym8 / int4 / q4_1 weights (gemm_quant.py); batch invariance (a
+token's row is the same bits alone or among others, at every place of a step); and the switch."""
 
 import numpy as np
 import pytest
@@ -87,6 +87,36 @@ def test_a_tokens_row_is_the_same_bits_alone_or_among_others(rows, cols):
         for a, b in zip(alone, together):
             assert np.array_equal(a[0], b[t]), t
         assert np.array_equal(KERNELS.linear(x[t:t + 3], w)[0], together[0][t])        # first of an odd step
+
+
+@pytest.mark.parametrize("rows,cols", [(20, 576), (9, 1536), (5, 4097), (3, 7)])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 16])
+def test_blocks_of_rows_of_any_size(rows, cols, tokens):
+    """gemm.py's blocks hold 4096 / I rows (7 of 576, 2 of 1536, 1 past 4096): outputs that end a block part way,
+    in the plain, fused (residual) and gated kernels, against NumPy."""
+    x, w, rng = data(tokens, 2 * rows, cols, seed=cols)
+    bias = rng.standard_normal(2 * rows).astype(np.float32)
+    residual = rng.standard_normal((tokens, 2 * rows)).astype(np.float32)
+    norm = norms(cols, rng)[1]
+    close(KERNELS.linear(x, w[:rows]), REFERENCE.linear(x, w[:rows]))
+    close(KERNELS.fused_linear(x, w, bias, norm, "relu", residual=residual),
+          REFERENCE.fused_linear(x, w, bias, norm, "relu", residual=residual))
+    close(KERNELS.fused_linear(x, w, bias, norm, "silu", gated=True),
+          REFERENCE.fused_linear(x, w, bias, norm, "silu", gated=True))
+
+
+@pytest.mark.parametrize("cols", [1, 7, 16, 17, 63, 65, 576, 1000, 1536])
+def test_a_token_sums_alike_in_either_place_of_a_pair(cols):
+    """A token pair's two dots (gemm._dot2) and an odd last token (a pair with itself) give the same bits at every
+    width, the vector loop's tails included: every token of steps of 1 to 5 tokens, at every place, against the
+    token alone."""
+    x, w, _ = data(6, 11, cols, seed=cols)
+    alone = [KERNELS.linear(x[t:t + 1], w)[0] for t in range(6)]
+    for size in range(2, 6):
+        for start in range(0, 7 - size):
+            step = KERNELS.linear(x[start:start + size], w)
+            for place in range(size):
+                assert np.array_equal(step[place], alone[start + place]), (size, start, place)
 
 
 def test_numpy_setting_never_calls_the_kernels(monkeypatch):

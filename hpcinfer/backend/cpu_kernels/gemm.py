@@ -1,25 +1,28 @@
 """Small-batch GEMM y[T, O] = x[T, I] @ W[O, I]^T for the NumPy backend (Numba), with the fused norm before it and
 the epilogue after it (bias, activation or gate-up, residual): the CPU twin of cuda_src/fused_norm_gemv.cu.
 
-Layout. The kernel reads W as it is held, row-major [O, I] float32: a block of ROWS consecutive rows is one
-contiguous stretch of memory (ROWS streams the prefetchers follow), and each row is unit-stride along the input
-dimension, which is what LLVM's loop vectorizer needs to run the dot products in AVX2 lanes (8 floats). A layout
-interleaving the rows ([O/8, I, 8], SIMD over outputs) was tried: Numba's LLVM does not vectorize it (48 scalar
-FMAs per iteration, 4x slower), so there is nothing to repack for float32 weights; quantized weights keep
-quant/formats.py's layout too (gemm_quant.py).
+Layout. The kernel reads W as it is held, row-major [O, I] float32, one row at a time in order: the weight is ONE
+sequential stream per thread, which this machine's prefetchers follow at full speed (AMD EPYC Zen 4, one thread, a
+98304 x 576 float32 weight from memory: 29.7 GB/s one row at a time, 13.7 GB/s in the earlier kernel's blocks of 8
+rows read side by side, 8 streams). Each row is unit-stride along I, which LLVM's loop vectorizer needs. Nothing is
+repacked (a layout interleaving rows, [O/8, I, 8], did not vectorize in Numba's LLVM: 4x slower).
 
-Register blocking: blocks of ROWS (8) output rows, each token pair of the step as two 4-row x 2-token register
-blocks and a last odd token as one 8-row x 1-token block: 8 vector accumulators either way, and no FMA spent on a
-padding token. A block's rows stay in L1/L2 while every token of the step passes over them, so W is read from
-memory once per call.
+Loop shape: blocks of up to L1_FLOATS weights (R = 4096 / I rows: 7 of 576 columns, 2 of 1536); within a block,
+token pair by token pair, each pair's dots with every row of the block, a row's dot with both tokens in one loop
+(_dot2: LLVM sums each token in 16 lanes x 4 zmm accumulators on AVX-512, vfmadd231ps, then an 8-lane tail and a
+scalar one). The first pair reads the block from memory, the other pairs find it in L1, so W is read from memory
+once per call. An odd last token runs as a pair with itself (no padding copy; at 1 token the spare dot costs
+nothing measurable, as the row comes from memory). This replaced register blocks of 4 rows x 2 tokens and 8 x 1
+(8 streams): 1.1-1.45x faster at 1-4 tokens, even at 8-16, 10-19% slower at 32-64, where BLAS runs
+(docs/cpu-kernels.md, ABAB).
 
-Batch invariance: every output y[t, o] is summed in the same order whatever T and wherever t sits in the step (the
-two register blocks sum alike, tested bit for bit; O % ROWS rows are computed in a block whose spare rows repeat
-the last row and are not stored), and by one thread (prange over row blocks). So a token's row is the same bits
-alone or among others: static and continuous batching give the same tokens. The order of the sum is LLVM's
-vectorized reduction over I (8 lanes, then a horizontal sum, then the I % 8 tail), fixed by I alone.
+Batch invariance: every output y[t, o] is one _dot2 of row o with token t in one of its two places, which sum alike
+(one loop), whatever T is and wherever t sits in the step, and by one thread (prange over row blocks; the block
+size depends on I alone and no sum crosses a row). So a token's row is the same bits alone or among others (tested
+bit for bit): static and continuous batching give the same tokens. The order of the sum is LLVM's vectorized
+reduction over I, fixed by I alone.
 
-Shape legend: T=tokens, Tp=tokens padded to TOKENS, I=input features, O=output features, F=gated outputs (O / 2).
+Shape legend: T=tokens, I=input features, O=output features, F=gated outputs (O / 2), R=rows per block.
 """
 
 from __future__ import annotations
@@ -31,11 +34,8 @@ import numpy as np
 from numba import njit, prange
 
 F32 = np.float32
-ROWS = 8              # output rows per block: a token pair runs as two 4-row x 2-token register blocks, a last odd
-                      # token as one 8-row x 1-token block; both are 8 accumulators, which LLVM vectorizes with the
-                      # same 8 lanes and no interleave, so they sum in the same order (a 4 x 1 block interleaves by
-                      # 2 and does not): tested bit for bit
-TOKENS = 2            # tokens per register block (the quantized kernels pad an odd step with a zero token)
+L1_FLOATS = 4096      # weights per block of rows (16 KB, half of Zen 4's L1d): the rows every token pair of the step
+                      # passes over, read from memory once
 FASTMATH = {"reassoc", "contract"}   # reassoc: the vectorized reduction over I; contract: FMA. No nnan/ninf: -inf
                                      # and NaN stay IEEE, as in NumPy.
 ACTIVATIONS = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
@@ -47,65 +47,32 @@ THREAD_WORK = 1 << 17                # multiply-adds a thread gets at least: a s
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot4x2(xp, w, o0, o1, o2, o3, t):
-    """The 8 dot products of rows o0..o3 of w [O, I] with tokens t, t+1 of xp [Tp, I]."""
-    s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = F32(0)
-    for k in range(xp.shape[1]):
-        x0 = xp[t, k]
-        x1 = xp[t + 1, k]
-        w0, w1, w2, w3 = w[o0, k], w[o1, k], w[o2, k], w[o3, k]
-        s00 += w0 * x0
-        s01 += w0 * x1
-        s10 += w1 * x0
-        s11 += w1 * x1
-        s20 += w2 * x0
-        s21 += w2 * x1
-        s30 += w3 * x0
-        s31 += w3 * x1
-    return (s00, s10, s20, s30), (s01, s11, s21, s31)
+def _dot2(x0, x1, w):
+    """The dot products of row w [I] with tokens x0, x1 [I]: one reduction each, in the same loop, so LLVM
+    vectorizes both alike (16 lanes x 4 on AVX-512) and a token sums in the same order in either place."""
+    s0 = s1 = F32(0)
+    for k in range(w.shape[0]):
+        s0 += w[k] * x0[k]
+        s1 += w[k] * x1[k]
+    return s0, s1
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot8x1(xp, w, rows, t):
-    """The 8 dot products of rows `rows` (8) of w with token t of xp: the same sums as _dot4x2's."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = F32(0)
-    r0, r1, r2, r3, r4, r5, r6, r7 = rows
-    for k in range(xp.shape[1]):
-        x0 = xp[t, k]
-        s0 += w[r0, k] * x0
-        s1 += w[r1, k] * x0
-        s2 += w[r2, k] * x0
-        s3 += w[r3, k] * x0
-        s4 += w[r4, k] * x0
-        s5 += w[r5, k] * x0
-        s6 += w[r6, k] * x0
-        s7 += w[r7, k] * x0
-    return (s0, s1, s2, s3, s4, s5, s6, s7)
+def _products(xp, w, first, n, out, base):
+    """out[:, base:base + n] = xp @ w[first:first + n].T, token pair by token pair, each pair over all n rows (a
+    block that stays in L1 after the first pair read it from memory in one stream); an odd last token runs as a
+    pair with itself."""
+    T = xp.shape[0]
+    for t in range(0, T, 2):
+        u = min(t + 1, T - 1)
+        for r in range(n):
+            out[t, base + r], out[u, base + r] = _dot2(xp[t], xp[u], w[first + r])
 
 
 @njit(cache=True)
-def _block_rows(o, last):
-    """The 8 rows of the block at row o, the ones past `last` repeating it (computed, never stored)."""
-    return (o, min(o + 1, last), min(o + 2, last), min(o + 3, last), min(o + 4, last), min(o + 5, last),
-            min(o + 6, last), min(o + 7, last))
-
-
-@njit(fastmath=FASTMATH, cache=True)
-def _products(xp, w, rows, t, T, out, base):
-    """out[t, base:base + 8] (and out[t + 1, ...] when t + 1 < T) = rows `rows` of w times tokens t (, t + 1),
-    for the columns that exist (out's width)."""
-    n = min(ROWS, out.shape[1] - base)
-    if t + 1 < T:
-        a0, a1 = _dot4x2(xp, w, rows[0], rows[1], rows[2], rows[3], t)
-        b0, b1 = _dot4x2(xp, w, rows[4], rows[5], rows[6], rows[7], t)
-        first, second = a0 + b0, a1 + b1
-        for r in range(n):
-            out[t, base + r] = first[r]
-            out[t + 1, base + r] = second[r]
-    else:
-        single = _dot8x1(xp, w, rows, t)
-        for r in range(n):
-            out[t, base + r] = single[r]
+def _block(I):
+    """Rows per block of a weight with I columns: as many as fit in L1_FLOATS, at least 1."""
+    return max(1, L1_FLOATS // I)
 
 
 @njit(fastmath={"contract"}, cache=True)
@@ -124,8 +91,8 @@ def activate(v, act):
 
 @njit(fastmath={"contract"}, cache=True)
 def padded_rows(x, norm, norm_w, norm_b, eps, xp):
-    """xp[:T] = norm(x) (norm: NORMS code; 0 = a copy), xp[T:] = 0. x [T, I] -> xp [T or Tp, I]. Sums in
-    float64."""
+    """xp[:T] = norm(x) (norm: NORMS code; 0 = a copy), any rows of xp past T zeroed. x [T, I] -> xp [>= T, I].
+    Sums in float64."""
     T, n = x.shape
     for t in range(T):
         if norm == 0:
@@ -155,13 +122,13 @@ def gemm(xp, w, bias, act, residual, out):
     """out[T, O] = act(xp @ w.T + bias) + residual. xp [T, I], w [O, I], bias [O] or [0], residual [T, O] or
     [0, 0]."""
     T, O = out.shape
-    for block in prange((O + ROWS - 1) // ROWS):
-        o = block * ROWS
-        rows = _block_rows(o, O - 1)
-        for t in range(0, T, TOKENS):
-            _products(xp, w, rows, t, T, out, o)
+    R = _block(w.shape[1])
+    for block in prange((O + R - 1) // R):
+        o = block * R
+        n = min(R, O - o)
+        _products(xp, w, o, n, out, o)
         for t in range(T):                                  # the epilogue, on values still in cache
-            for r in range(min(ROWS, O - o)):
+            for r in range(n):
                 v = out[t, o + r]
                 if bias.size:
                     v += bias[o + r]
@@ -176,15 +143,14 @@ def gemm_gated(xp, w, bias, act, out, up):
     """out[T, F] = act(gate) * up with [gate | up] = xp @ w.T + bias, w [2F, I] (gate rows first); up [T, F] is
     scratch for the up rows' products."""
     T, F = out.shape
-    for block in prange((F + ROWS - 1) // ROWS):
-        o = block * ROWS
-        gate_rows = _block_rows(o, F - 1)
-        up_rows = _block_rows(F + o, 2 * F - 1)
-        for t in range(0, T, TOKENS):
-            _products(xp, w, gate_rows, t, T, out, o)
-            _products(xp, w, up_rows, t, T, up, o)
+    R = _block(w.shape[1])
+    for block in prange((F + R - 1) // R):
+        o = block * R
+        n = min(R, F - o)
+        _products(xp, w, o, n, out, o)                      # the gate rows, then the up rows: one stream at a time
+        _products(xp, w, F + o, n, up, o)
         for t in range(T):
-            for r in range(min(ROWS, F - o)):
+            for r in range(n):
                 g, u = out[t, o + r], up[t, o + r]
                 if bias.size:
                     g, u = g + bias[o + r], u + bias[F + o + r]
@@ -194,11 +160,10 @@ def gemm_gated(xp, w, bias, act, out, up):
 KERNELS = (padded_rows, gemm, gemm_gated)        # what compiled.warm_up loads or compiles
 
 
-def padded_input(x, norm=None, pad: bool = False):
-    """x [T, I] -> xp [T, I] (pad: [Tp, I], the last row zero when T is odd) float32 C-contiguous, normalized when
-    `norm` (a NormParams) is given."""
+def padded_input(x, norm=None):
+    """x [T, I] -> xp [T, I] float32 C-contiguous, normalized when `norm` (a NormParams) is given."""
     T, n = x.shape
-    xp = np.empty((T + (T % TOKENS if pad else 0), n), F32)
+    xp = np.empty((T, n), F32)
     x = np.ascontiguousarray(x, dtype=F32)
     if norm is None:
         padded_rows(x, 0, NONE_1D, NONE_1D, 0.0, xp)
@@ -232,30 +197,32 @@ def fused_gemm(x, w, bias=None, norm=None, act=None, gated=False, residual=None,
     return out
 
 
-# Tokens up to which the compiled kernels beat BLAS (OpenBLAS through NumPy). Measured 2026-11-28 on the shared
-# 2-core AMD EPYC (AVX2; load average 11-17 from other jobs, so compute-starved; 1 thread; ms per matrix, >= 64 MB
-# of copies so that weights come from memory, medians of 5 taken in turns, numba / numpy):
-#   float32     T=1          2            4            8            16           32           64
-#   3072x576    4.0/3.0      8.1/15.6     7.4/10.6     8.9/9.4      10.6/10.4    18.3/15.3    33.7/25.1
-#   576x1536    1.4/1.2      2.2/3.3      3.0/3.5      4.1/4.7      6.0/6.1      9.4/8.3      17.9/13.8
-#   49152x576   50/57        63/127       85/139       115/149      184/199      329/305      456/350
+# Tokens up to which the compiled kernels beat BLAS (OpenBLAS through NumPy).
+# float32, measured 2026-12-02 on the shared 2-core AMD EPYC Zen 4 (AVX-512; another engineer's jobs running, load
+# average 0.7-2.2), SmolLM2's 121 matrices (538 MB) per call, 2 threads, ABAB rounds in one process, medians of 13,
+# ms (docs/cpu-kernels.md has the GB/s and a second run of 11 rounds):
+#   tokens         1      2      4      8      16     32     64
+#   compiled       26.2   29.0   39.4   53.4   75.4   132.7  221.0
+#   OpenBLAS       30.3   85.0   86.8   88.0   98.7   123.7  163.2
+# Ahead from 1 to 16 tokens, behind from 32 (OpenBLAS's packed GEMM is the better compute kernel there: it reuses
+# each loaded weight across more tokens than the row path's pair). 1 token runs compiled (it is ahead), so that a
+# token's bits do not depend on the step's size from 1 to CROSSOVER (batch invariance; past it a step runs BLAS).
+# int8, measured 2026-11-28 on the shared 2-core AMD EPYC (AVX2; load average 11-17, compute-starved; 1 thread; ms
+# per matrix, >= 64 MB of copies so that weights come from memory, medians of 5 taken in turns, numba / numpy):
 #   int8        T=1          2            4            8            16
 #   3072x576    8.2/7.7      15.3/18.2    16.2/18.0    25.6/17.3    31.9/16.3
 #   576x1536    3.3/4.2      4.3/5.6      7.5/6.8      15.1/6.4     30.4/8.8
 #   49152x576   141/189      87/225       186/284      382/272      946/376
-# float32: ahead from 2 to 8 tokens, even at 16, behind from 32 (OpenBLAS's packed GEMM is the better compute
-# kernel when the cores, not memory, are the limit); 1 token stays compiled although OpenBLAS's gemv was 20% ahead
-# here, so that a token's bits do not depend on the step's size from 1 to CROSSOVER (batch invariance; past it a
-# step runs BLAS). int8 (the NumPy path dequantizes the weight once per call and shares it among the tokens): ahead
-# to 2-4 tokens. Re-measure on a quiet machine with `make bench-ops` (the issue's own quiet-machine trial had a
-# Numba kernel ahead of OpenBLAS up to 64 tokens).
+# int8 (the NumPy path dequantizes the weight once per call and shares it among the tokens): ahead to 2-4 tokens,
+# measured before gemm_quant.py's row kernel; re-measure with `make bench-ops`.
 CROSSOVER = 16
 QUANT_CROSSOVER = 4
 
 
 def max_tokens(rows: int, cols: int, quantized: bool = False) -> int:
     """The most tokens for which the compiled kernel is faster than BLAS on a weight [rows, cols] (float32, or
-    quantized: gemm_quant.py). The measurements above found no dependence on the shape worth a rule."""
+    quantized: gemm_quant.py). The per-shape measurements (git history) found no dependence on the shape
+    worth a rule."""
     return QUANT_CROSSOVER if quantized else CROSSOVER
 
 
