@@ -57,6 +57,8 @@ def run_case(tree: Path, case: str, work: Path, tag: str, cpu_kernels: str | Non
     if not prompts.exists():
         prompts.write_text("".join(PROMPTS.read_text().splitlines(keepends=True)[:count]))
     out = work / f"{case}-{tag}.jsonl"
+    for stale in (out, Path(f"{out}.metrics.json"), Path(f"{out}.state.json")):   # else an earlier run's is resumed
+        stale.unlink(missing_ok=True)
     config = out.with_suffix(".toml")
     runtime = {"backend": "numpy", "threads": os.cpu_count() or 1}
     runtime.update({"cpu_kernels": cpu_kernels} if cpu_kernels else {})
