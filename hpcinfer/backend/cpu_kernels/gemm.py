@@ -90,9 +90,8 @@ def activate(v, act):
 
 
 @njit(fastmath={"contract"}, cache=True)
-def padded_rows(x, norm, norm_w, norm_b, eps, xp):
-    """xp[:T] = norm(x) (norm: NORMS code; 0 = a copy), any rows of xp past T zeroed. x [T, I] -> xp [>= T, I].
-    Sums in float64."""
+def normalized_rows(x, norm, norm_w, norm_b, eps, xp):
+    """xp = norm(x) (norm: NORMS code; 0 = a copy). x, xp [T, I]. Sums in float64."""
     T, n = x.shape
     for t in range(T):
         if norm == 0:
@@ -112,9 +111,6 @@ def padded_rows(x, norm, norm_w, norm_b, eps, xp):
         for k in range(n):
             v = F32((x[t, k] - mean) * rstd) * norm_w[k]
             xp[t, k] = v + norm_b[k] if norm_b.size else v
-    for t in range(T, xp.shape[0]):
-        for k in range(n):
-            xp[t, k] = F32(0)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -157,20 +153,20 @@ def gemm_gated(xp, w, bias, act, out, up):
                 out[t, o + r] = activate(g, act) * u
 
 
-KERNELS = (padded_rows, gemm, gemm_gated)        # what compiled.warm_up loads or compiles
+KERNELS = (normalized_rows, gemm, gemm_gated)        # what compiled.warm_up loads or compiles
 
 
-def padded_input(x, norm=None):
+def kernel_input(x, norm=None):
     """x [T, I] -> xp [T, I] float32 C-contiguous, normalized when `norm` (a NormParams) is given."""
     T, n = x.shape
     xp = np.empty((T, n), F32)
     x = np.ascontiguousarray(x, dtype=F32)
     if norm is None:
-        padded_rows(x, 0, NONE_1D, NONE_1D, 0.0, xp)
+        normalized_rows(x, 0, NONE_1D, NONE_1D, 0.0, xp)
     else:
         weight = np.ascontiguousarray(norm.weight, dtype=F32)
         bias = NONE_1D if norm.bias is None or norm.kind != "layernorm" else np.ascontiguousarray(norm.bias, F32)
-        padded_rows(x, NORMS[norm.kind], weight, bias, float(norm.eps), xp)
+        normalized_rows(x, NORMS[norm.kind], weight, bias, float(norm.eps), xp)
     return xp
 
 
@@ -183,7 +179,7 @@ def use_threads(threads: int, work: int) -> None:
 def fused_gemm(x, w, bias=None, norm=None, act=None, gated=False, residual=None, threads: int = 1):
     """act(norm(x) @ w.T + bias) (+ residual), gated: act(gate) * up, as Ops.fused_linear -> [T, O or O/2].
     w: float32 C-contiguous [O, I] (the caller checks: takes()). threads: at most this many."""
-    xp = padded_input(x, norm)
+    xp = kernel_input(x, norm)
     T = x.shape[0]
     use_threads(threads, xp.size * w.shape[0])
     bias = NONE_1D if bias is None else np.ascontiguousarray(bias, dtype=F32)
@@ -204,9 +200,11 @@ def fused_gemm(x, w, bias=None, norm=None, act=None, gated=False, residual=None,
 #   tokens         1      2      4      8      16     32     64
 #   compiled       26.2   29.0   39.4   53.4   75.4   132.7  221.0
 #   OpenBLAS       30.3   85.0   86.8   88.0   98.7   123.7  163.2
-# Ahead from 1 to 16 tokens, behind from 32 (OpenBLAS's packed GEMM is the better compute kernel there: it reuses
-# each loaded weight across more tokens than the row path's pair). 1 token runs compiled (it is ahead), so that a
-# token's bits do not depend on the step's size from 1 to CROSSOVER (batch invariance; past it a step runs BLAS).
+# Ahead from 1 to 16 tokens there, behind from 32 (OpenBLAS's packed GEMM reuses each loaded weight across more
+# tokens than the row path's pair). On a quiet machine OpenBLAS is ahead at 1 token and from 8 (docs/cpu-kernels.md,
+# bench/results/cpu-ops-2026-12-02b.md), yet end to end a crossover of 4 ran the chat workload at 0.89x and batch 16
+# at 0.84x of 16 (bench/results/abab-crossover4-2026-12-02.md): 16 stays. Every T from 1 to CROSSOVER runs the
+# compiled kernel, so that a token's bits do not depend on its step's size there (batch invariance).
 # int8, measured 2026-11-28 on the shared 2-core AMD EPYC (AVX2; load average 11-17, compute-starved; 1 thread; ms
 # per matrix, >= 64 MB of copies so that weights come from memory, medians of 5 taken in turns, numba / numpy):
 #   int8        T=1          2            4            8            16

@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from ...quant.formats import QuantizedTensor
-from .gemm import FASTMATH, NONE_1D, NONE_2D, padded_input, use_threads
+from .gemm import FASTMATH, NONE_1D, NONE_2D, kernel_input, use_threads
 
 ROWS = 16                                                # output rows per parallel work item (one stretch of q)
 
@@ -94,7 +94,7 @@ KERNELS = (gemm_q,)                      # what compiled.warm_up loads or compil
 def linear_q(x, qt, bias=None, threads: int = 1):
     """x [T, I] @ dequantize(qt)^T (+ bias) -> [T, O] float32, qt a QuantizedTensor of MODES."""
     rows, cols = qt.shape
-    xp = padded_input(x)                                             # [T, I] float32, C-contiguous
+    xp = kernel_input(x)                                             # [T, I] float32, C-contiguous
     packed = qt.bits == 4
     xe = np.ascontiguousarray(xp[:, 0::2]) if packed else NONE_2D     # [T, B]
     xo = np.ascontiguousarray(xp[:, 1::2]) if packed else NONE_2D
