@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Runs every test suite, then sums them up:
+#   0. the compile caches (Numba's, the kernel emulator's header): tests/helpers/warm_caches.py
 #   1. no MPI:       pytest -n W --dist loadfile tests       (tests marked `mpi` skip themselves; W pytest-xdist
 #                                                             workers, a test file per worker at a time)
 #   2. 2 MPI ranks:  mpiexec -n 2 pytest --with-mpi -m mpi tests
@@ -101,8 +102,21 @@ record() {
     RUN_LINES+=("$([ "$ok" = 0 ] && echo ok || echo FAILED) - passed $passed, failed $failed, skipped $skipped$note")
 }
 
+# The compile caches every suite reads (tests/helpers/warm_caches.py), filled once by two processes before the
+# suites start, instead of by each test process at once on a fresh clone. A failure here is reported, not fatal:
+# the tests that need the kernels then fail, saying why.
+warm_caches() {
+    local warm=(env "PYTHONPATH=tests/helpers${PYTHONPATH:+:$PYTHONPATH}" "$PY" tests/helpers/warm_caches.py) rc=0
+    echo "=== [compile caches] ${warm[*]:1}"
+    "${warm[@]}" attention </dev/null & local attention=$!
+    "${warm[@]}" rest </dev/null || rc=$?
+    wait "$attention" || rc=$?
+    [ "$rc" = 0 ] || echo "!!! warm_caches.py exited $rc: the suites compile for themselves"
+}
+
 run_without_mpi() {
     local log="$LOG_DIR/without-mpi.out" rc
+    warm_caches
     echo "=== [without MPI] $PY -m pytest ${COMMON[*]}${XDIST[*]:+ ${XDIST[*]}}${EXTRA[*]:+ ${EXTRA[*]}} $TESTS_DIR"
     timeout -k 30 "$SINGLE_TIMEOUT" "$PY" -m pytest "${COMMON[@]}" "${XDIST[@]}" "${SLOWEST[@]}" --basetemp "$TMP_ROOT/without-mpi" \
         "${EXTRA[@]}" "$TESTS_DIR" </dev/null 2>&1 | tee "$log"
