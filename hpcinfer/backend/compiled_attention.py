@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant.kv import QuantizedKV
+from ..quant.kv import kv_rows
 from . import cpu_kernels, kv_attention, paged_attention
 from .interface import StepLayout
 
@@ -33,7 +33,6 @@ else:
     numba = kernels = None
 
 F32 = np.float32
-_NO_SCALES = np.zeros((0, 0, 0, 0), dtype=np.uint16)     # a float pool's (absent) scale and min
 
 
 def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float = 0.0):
@@ -46,8 +45,8 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     plan = paged_attention.step_memo(ops, step, ("compiled", kv_heads, 0 < topk < 1),
                                      lambda: Plan(step, kv_heads, topk, cache_k.shape[2]))
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
-    k_pool, v_pool = pool_arrays(cache_k), pool_arrays(cache_v)
-    group = cache_k.fmt.group if isinstance(cache_k, QuantizedKV) else 1
+    k_rows = kv_rows(cache_k)
+    k_pool, v_pool, group = k_rows.kernel_arrays(), kv_rows(cache_v).kernel_arrays(), k_rows.group
     threads = kernel_threads(ops.threads)
     numba.set_num_threads(threads)
     if len(plan.causal):
@@ -88,15 +87,8 @@ def _items(starts, counts, chosen, kv_heads: int) -> np.ndarray:
     return items
 
 
-def pool_arrays(cache) -> tuple:
-    """A store's arrays as the kernels read them: (values, scales, mins), float16 as uint16 bits."""
-    if isinstance(cache, QuantizedKV):
-        return cache.q, cache.scale.view(np.uint16), cache.min.view(np.uint16)
-    return cache, _NO_SCALES, _NO_SCALES
-
-
 def store(ops, k, v, cache_k, cache_v, step: StepLayout) -> None:
-    """The step's new rows into the store (quantized there when it is a QuantizedKV), after the kernels read it."""
+    """The step's new rows into the store (quantized there when it is quantized), after the kernels read it."""
     if step.is_paged:
         paged_attention.paged_append(cache_k, cache_v, paged_attention.step_memo(ops, step, "slots", step.flat_slots),
                                      k, v)

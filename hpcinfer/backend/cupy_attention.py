@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..quant.kv import kv_rows
 from . import cupy_kv
 from .cupy_decode import decode_defines, decode_fits, launch_decode, rope_args, rotated
 from .cupy_dtypes import BF16_BITS, c_type, stored
@@ -49,7 +50,7 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
             return split_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk,
                                    lambda *args: host_attention(ops, *args))
         return host_attention(ops, q, k, v, cache_k, cache_v, step, scale, topk)   # the cache stays where it lies
-    if topk or not isinstance(cache_k, cp.ndarray):          # a QuantizedKV cache, or top-k: cupy_kv.py
+    if topk or kv_rows(cache_k).quantized:                 # a quantized cache, or top-k: cupy_kv.py
         return cupy_kv.attention(ops, q, k, v, cache_k, cache_v, step, scale, topk, rope)
     if not step.is_decode:                                   # prefill: rotated here, the kernels take it as given
         q, k = rotated(ops, q, k, rope)
@@ -117,7 +118,7 @@ def _prefill_kernels(ops, append, attend, q, k, v, cache_k, cache_v, step: StepL
 
 def _on_host(cache) -> bool:
     """A host-resident cache: a NumPy array, or a QuantizedKV of NumPy arrays."""
-    return isinstance(cache.q if hasattr(cache, "q") else cache, np.ndarray)
+    return isinstance(kv_rows(cache).parts()[0], np.ndarray)
 
 
 def host_attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..quant.formats import QuantError
-from ..quant.kv import KVFormat, QuantizedKV
+from ..quant.kv import KVFormat, QuantizedKV, kv_rows
 from .cupy_dtypes import stored
 from .cupy_decode import decode_defines, decode_fits, launch_decode, rope_args, rotated
 from .interface import StepLayout
@@ -43,7 +43,7 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     [N, Hkv, Lmax, hd] float32 device arrays or QuantizedKV of device arrays -> [T, H*hd]; rope (cos, sin,
     rotary_dim) or None: q and k rotated first (fused into decode_attention_quant.cu, else ops.rotary)."""
     cp = ops.xp
-    quantized = isinstance(cache_k, QuantizedKV)
+    quantized = kv_rows(cache_k).quantized
     sparse = step.is_decode and 0 < topk < 1
     if not quantized and not sparse:
         return ops.attention(q, k, v, cache_k, cache_v, step, scale, rope=rope)      # dense over a float cache
@@ -74,7 +74,7 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
 
 
 def _check_quantized(cp, cache_k, cache_v) -> None:
-    if not isinstance(cache_v, QuantizedKV) or cache_v.fmt != cache_k.fmt or cache_v.shape != cache_k.shape:
+    if not kv_rows(cache_v).quantized or cache_v.fmt != cache_k.fmt or cache_v.shape != cache_k.shape:
         raise ValueError("attention: cache_k and cache_v must be QuantizedKV of one format and shape")
     for cache in (cache_k, cache_v):
         n, heads, lmax, hd = cache.shape
@@ -150,7 +150,7 @@ def _top_k_decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float
     S, heads, hd = q.shape
     kv_heads, lmax = cache_k.shape[1], cache_k.shape[2]
     group = heads // kv_heads
-    quantized = isinstance(cache_k, QuantizedKV)
+    quantized = kv_rows(cache_k).quantized
     lengths = np.asarray(step.starts, np.int64) + 1                                   # [S] host
     L = int(lengths.max())
     slots, starts = cp.asarray(step.slots, dtype=np.int64), cp.asarray(step.starts, dtype=np.int64)

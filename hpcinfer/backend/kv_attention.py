@@ -1,6 +1,7 @@
 """NumPy attention over a quantized KV cache (quant/kv.py) and FlexGen's top-k sparse decode attention.
 
-`NumpyOps.attention` hands over here when the cache is a QuantizedKV or when a decode step asks for top-k.
+`NumpyOps.attention` hands over here when the cache is quantized or when a decode step asks for top-k. Both kinds of
+store are read through quant.kv.kv_rows (a float array as a FloatKV view, or the QuantizedKV).
 A quantized cache is never expanded whole: each call dequantizes only the rows it reads (the step's sequences,
 positions before the new tokens) into one float32 scratch buffer per rank that every layer and step reuses. As
 in FlexGen, the new tokens' own K and V enter the attention unquantized and are stored quantized afterwards.
@@ -19,7 +20,7 @@ import math
 
 import numpy as np
 
-from ..quant.kv import QuantizedKV
+from ..quant.kv import kv_rows
 from .interface import StepLayout
 
 F32 = np.float32
@@ -56,45 +57,50 @@ def attention(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, to
     return out
 
 
+def _buffer(ops, rows, name: str, shape: tuple) -> np.ndarray:
+    """A reused float32 buffer for rows read from a store: dequantized ones (`_kv_scratch`, reported as
+    metrics.dequant_scratch_bytes) or float ones."""
+    return scratch(ops, name, shape, store="_kv_scratch" if rows.quantized else "_float_rows")
+
+
+def _nibbles(ops, rows, shape):
+    return scratch(ops, "nibbles", shape, np.uint8) if rows.bits == 4 else None
+
+
 def _rows_with_new(ops, name, cache, slot: int, start: int, new):
     """One sequence's cached rows 0..start-1 (dequantized) followed by its new rows: [Hkv, start + n, hd]."""
     n, kv_heads, hd = new.shape
-    if not isinstance(cache, QuantizedKV):
-        return np.concatenate([cache[slot, :, :start], new.transpose(1, 0, 2)], axis=1)
-    rows = scratch(ops, name, (kv_heads, start + n, hd))
+    rows = kv_rows(cache)
+    out = _buffer(ops, rows, name, (kv_heads, start + n, hd))
     if start:
-        cache.read((slot, slice(None), slice(0, start)), out=rows[:, :start],
-                   scratch=_nibbles(ops, cache, (kv_heads, start, hd)))
-    rows[:, start:] = new.transpose(1, 0, 2)
-    return rows
+        rows.read((slot, slice(None), slice(0, start)), out=out[:, :start],
+                  scratch=_nibbles(ops, rows, (kv_heads, start, hd)))
+    out[:, start:] = new.transpose(1, 0, 2)
+    return out
 
 
-def _nibbles(ops, cache, shape):
-    return scratch(ops, "nibbles", shape, np.uint8) if cache.fmt.bits == 4 else None
-
-
-def _gather(ops, name, cache, step: StepLayout, L: int, new=None):
-    """Rows 0..L-1 of the step's slots [S, Hkv, L, hd]: a view/gather of a float cache, or dequantized into the
-    scratch buffer `name`; `new` [S, Hkv, hd] (float) is put at each sequence's own position."""
+def _gather(ops, name, cache, step: StepLayout, L: int, new):
+    """Rows 0..L-1 of the step's slots [S, Hkv, L, hd], with `new` [S, Hkv, hd] at each sequence's own position:
+    an exact (float) store holds them already and is read as it is (a view where the slots are consecutive); a
+    quantized one is dequantized into the scratch buffer `name` and given them unquantized, as FlexGen."""
     slots, S = step.slots, step.num_seqs
-    if not isinstance(cache, QuantizedKV):
-        first = int(slots[0])
-        if np.array_equal(slots, np.arange(first, first + S)):
-            return cache[first:first + S, :, :L]                                   # a view: new rows are in
-        return cache[slots, :, :L]
-    _, kv_heads, _, hd = cache.shape
-    rows = scratch(ops, name, (S, kv_heads, L, hd))
-    cache.read((slots, slice(None), slice(0, L)), out=rows, scratch=_nibbles(ops, cache, (S, kv_heads, L, hd)))
-    if new is not None:
-        rows[np.arange(S), :, step.starts] = new                                   # unquantized, as FlexGen
-    return rows
+    first = int(slots[0])
+    consecutive = np.array_equal(slots, np.arange(first, first + S))
+    index = (slice(first, first + S) if consecutive else slots, slice(None), slice(0, L))
+    rows = kv_rows(cache)
+    if rows.exact:
+        return rows.read(index)
+    out = _buffer(ops, rows, name, (S, rows.shape[1], L, rows.shape[3]))
+    rows.read(index, out=out, scratch=_nibbles(ops, rows, out.shape))
+    out[np.arange(S), :, step.starts] = new
+    return out
 
 
 def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk: float):
     """One new token per sequence: q [S, H, hd] -> [S, H*hd]."""
     S, heads, hd = q.shape
-    quantized = isinstance(cache_k, QuantizedKV)
-    if not quantized:                                  # a float cache takes the new rows first (read back as is)
+    exact = kv_rows(cache_k).exact
+    if exact:                                          # a float cache takes the new rows first (read back as is)
         cache_k[step.slots, :, step.starts] = k
         cache_v[step.slots, :, step.starts] = v
     lengths = step.starts + 1                                                       # [S]
@@ -109,7 +115,7 @@ def _decode(ops, q, k, v, cache_k, cache_v, step: StepLayout, scale: float, topk
         out = _top_k_values(ops, scores, cache_v, v, step, lengths, topk)           # [S, Hkv, g, hd]
     else:
         out = _softmax(scores) @ _gather(ops, "v", cache_v, step, L, v)             # [S, Hkv, g, hd]
-    if quantized:
+    if not exact:                                      # a quantized one after, its rows attended as given
         cache_k[step.slots, :, step.starts] = k
         cache_v[step.slots, :, step.starts] = v
     return out.reshape(S, heads * hd)
@@ -139,17 +145,16 @@ def _value_rows(ops, cache_v, v, step: StepLayout, idx):
     """The V rows at positions idx [S, Hkv, g, K] of each sequence and KV head -> [S, Hkv, g, K, hd]; for a
     quantized cache only these rows are dequantized, and a sequence's own new position reads the new v."""
     S, kv_heads = idx.shape[:2]
-    s_ix = np.arange(S)[:, None, None, None]
-    h_ix = np.arange(kv_heads)[None, :, None, None]
-    if not isinstance(cache_v, QuantizedKV):
-        return cache_v[step.slots[s_ix], h_ix, idx]
-    hd = cache_v.shape[3]
-    rows = scratch(ops, "v", (*idx.shape, hd))
-    cache_v.read((step.slots[s_ix], h_ix, idx), out=rows, scratch=_nibbles(ops, cache_v, (*idx.shape, hd)))
+    index = (step.slots[np.arange(S)[:, None, None, None]], np.arange(kv_heads)[None, :, None, None], idx)
+    rows = kv_rows(cache_v)
+    if rows.exact:
+        return rows.read(index)
+    out = _buffer(ops, rows, "v", (*idx.shape, rows.shape[3]))
+    rows.read(index, out=out, scratch=_nibbles(ops, rows, out.shape))
     is_new = idx == step.starts[:, None, None, None]                                # [S, Hkv, g, K]
     if np.any(is_new):
-        rows[is_new] = np.broadcast_to(v[:, :, None, None, :], rows.shape)[is_new]
-    return rows
+        out[is_new] = np.broadcast_to(v[:, :, None, None, :], out.shape)[is_new]
+    return out
 
 
 def _softmax(scores):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant.kv import QuantizedKV, kv_map, kv_parts
+from ..quant.kv import kv_map, kv_parts, kv_rows
 from . import kv_attention
 from .interface import StepLayout
 
@@ -81,7 +81,7 @@ def _gathered(ops, name: str, pool, index):
 def needs_dense_kv(pool_k, step, topk: float) -> bool:
     """A quantized pool, or top-k with decode tokens in the step: `through_dense` (the paged float paths read float
     rows and attend densely)."""
-    return isinstance(pool_k, QuantizedKV) or (0 < topk < 1 and bool(np.any(step.counts == 1)))
+    return kv_rows(pool_k).quantized or (0 < topk < 1 and bool(np.any(step.counts == 1)))
 
 
 def through_dense(ops, q, k, v, pool_k, pool_v, step, scale: float, topk: float, dense_attention):

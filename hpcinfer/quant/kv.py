@@ -115,9 +115,58 @@ def dequantize_rows(q, scale, low, fmt: KVFormat, out=None, scratch=None):
     return out
 
 
+NO_SCALES = np.zeros((0, 0, 0, 0), dtype=np.uint16)     # a float store's (absent) scale and min, for the kernels
+
+
+class FloatKV:
+    """Float KV rows (the array a store holds: float32, or a half dtype on the GPU) through the interface of
+    QuantizedKV, so that attention reads either kind alike (`kv_rows`). A view: nothing is copied.
+
+    The interface, both kinds: quantized, exact (the store holds a row as given, so a step's new rows may be stored
+    before they are read back; a quantized store would round them: they are attended as given, stored after),
+    group (values per scale), bits (per value), shape, nbytes, parts() (the stored arrays), map(fn) (fn on each stored array: a float
+    array stays a plain array), read(index, out, scratch) (float rows at index: a view of a float store where
+    index is basic and no `out` is given), kernel_arrays() (values, scales, mins as the compiled kernels read them),
+    encoded(fmt) (these rows as a store of format fmt holds them)."""
+
+    quantized, exact, group, bits = False, True, 1, 32
+
+    def __init__(self, array):
+        self.array = array
+
+    @property
+    def shape(self) -> tuple:
+        return self.array.shape
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def parts(self) -> tuple:
+        return (self.array,)
+
+    def map(self, fn):
+        return fn(self.array)
+
+    def read(self, index, out=None, scratch=None):
+        if out is None:
+            return self.array[index]
+        out[...] = self.array[index]
+        return out
+
+    def kernel_arrays(self) -> tuple:
+        return self.array, NO_SCALES, NO_SCALES
+
+    def encoded(self, fmt: KVFormat) -> tuple:
+        return quantize_rows(self.array, fmt)
+
+
 class QuantizedKV:
     """One layer's K (or V) cache, logically float [N, Hkv, Lmax, hd], held as q [N, Hkv, Lmax, B] uint8 and
-    scale, min [N, Hkv, Lmax, G] float16. Indexing the leading axes works as on the float array it replaces."""
+    scale, min [N, Hkv, Lmax, G] float16. Indexing the leading axes works as on the float array it replaces; the
+    rest of the interface is FloatKV's."""
+
+    quantized, exact = True, False
 
     def __init__(self, fmt: KVFormat, q, scale, low):
         self.fmt, self.q, self.scale, self.min = fmt, q, scale, low
@@ -138,8 +187,25 @@ class QuantizedKV:
     def nbytes(self) -> int:
         return int(self.q.nbytes + self.scale.nbytes + self.min.nbytes)
 
+    @property
+    def group(self) -> int:
+        return self.fmt.group
+
+    @property
+    def bits(self) -> int:
+        return self.fmt.bits
+
     def parts(self) -> tuple:
         return self.q, self.scale, self.min
+
+    def kernel_arrays(self) -> tuple:
+        """q, and scale and min as their float16 bits (uint16: what the compiled kernels read)."""
+        return self.q, self.scale.view(np.uint16), self.min.view(np.uint16)
+
+    def encoded(self, fmt: KVFormat) -> tuple:
+        if fmt != self.fmt:
+            raise QuantError(f"KV rows of format {self.fmt} cannot be stored as {fmt}")
+        return self.parts()
 
     def map(self, fn) -> "QuantizedKV":
         """The same cache with fn applied to each stored array (a slot taken, moved to host or device)."""
@@ -151,8 +217,7 @@ class QuantizedKV:
 
     def __setitem__(self, index, value) -> None:
         """Store float rows value [..., hd] (quantizing them) or another QuantizedKV's arrays at index."""
-        parts = value.parts() if isinstance(value, QuantizedKV) else quantize_rows(value, self.fmt)
-        for dst, src in zip(self.parts(), parts):
+        for dst, src in zip(self.parts(), kv_rows(value).encoded(self.fmt)):
             dst[index] = src
 
     def read(self, index, out=None, scratch=None):
@@ -160,15 +225,21 @@ class QuantizedKV:
         return dequantize_rows(self.q[index], self.scale[index], self.min[index], self.fmt, out, scratch)
 
 
+def kv_rows(rows) -> FloatKV | QuantizedKV:
+    """KV rows as they are stored, through the one interface of both kinds: a QuantizedKV as it is, a float array
+    (or float rows to store) as a FloatKV view."""
+    return rows if isinstance(rows, QuantizedKV) else FloatKV(rows)
+
+
 def kv_parts(rows) -> tuple:
     """The stored arrays of KV rows: (q, scale, min) of a QuantizedKV, or (the float array,)."""
-    return rows.parts() if isinstance(rows, QuantizedKV) else (rows,)
+    return kv_rows(rows).parts()
 
 
 def kv_map(rows, fn):
     """KV rows with fn applied to each stored array (a slot taken, a view reshaped, moved to host or device): a
     QuantizedKV stays one, a float array becomes fn's result."""
-    return rows.map(fn) if isinstance(rows, QuantizedKV) else fn(rows)
+    return kv_rows(rows).map(fn)
 
 
 def kv_bytes_per_token(kv_heads: int, head_dim: int, layers: int, kv_format: KVFormat | None = None) -> int:

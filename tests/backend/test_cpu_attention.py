@@ -15,7 +15,7 @@ from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.backend.paged_attention import paged_append, paged_decode_attention
 from hpcinfer.generate.block_manager import BlockPool, BlockTables
-from hpcinfer.quant.kv import QuantizedKV, kv_format
+from hpcinfer.quant.kv import NO_SCALES, QuantizedKV, kv_format
 
 pytestmark = pytest.mark.skipif(NUMBA_ERROR is not None, reason=f"numba does not import: {NUMBA_ERROR}")
 F32 = np.float32
@@ -154,10 +154,10 @@ def test_kernel_over_plain_arrays_equals_paged_decode_reference():
     paged_append(pool_k, pool_v, step.flat_slots(), k, v)
     want = paged_decode_attention(q, pool_k, pool_v, step.tables, step.starts + 1, 0.3)
     got = np.full_like(want, np.nan)
-    kernels, none = compiled_attention.kernels, compiled_attention._NO_SCALES
-    kernels.causal_attention(q, k, v, (pool_k, none, none), (pool_v, none, none), 1, step.tables, step.starts,
-                             step.counts, step.offsets, kernels.make_items(step.starts, step.counts, 3), F32(0.3),
-                             got, 2)
+    kernels = compiled_attention.kernels
+    kernels.causal_attention(q, k, v, (pool_k, NO_SCALES, NO_SCALES), (pool_v, NO_SCALES, NO_SCALES), 1, step.tables,
+                             step.starts, step.counts, step.offsets, kernels.make_items(step.starts, step.counts, 3),
+                             F32(0.3), got, 2)
     np.testing.assert_allclose(got, want, **TOL)
 
 
