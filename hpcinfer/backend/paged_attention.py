@@ -1,9 +1,10 @@
-"""Attention through block tables on the NumPy backend (issue 21's paged KV cache; the spec a paged CUDA kernel
-will be held to). The KV pool of one layer is [num_blocks, Hkv, block_size, hd] (a block is the dense cache's
-[Hkv, L, hd] cut into block_size positions); a sequence's positions live in the blocks of its table, in order
-(generate/block_manager.BlockTables). NumpyOps.attention comes here for a paged StepLayout (the continuous
-schedule's): `attention` appends the step's rows, then gathers each sequence's blocks and runs the dense cache's
-own arithmetic on them (NumpyOps._decode_over, _causal_attention), so a paged step gives the dense step's numbers.
+"""Attention through block tables on the NumPy backend (issue 21's paged KV cache; tests/helpers/paged_reference.py is
+the plain oracle it, the compiled CPU kernels and the paged CUDA kernel are held to). The KV pool of one layer is
+[num_blocks, Hkv, block_size, hd] (a block is the dense cache's [Hkv, L, hd] cut into block_size positions); a
+sequence's positions live in the blocks of its table, in order (generate/block_manager.BlockTables).
+NumpyOps.attention comes here for a paged StepLayout (the continuous schedule's): `attention` appends the step's
+rows, then gathers each sequence's blocks and runs the dense cache's own arithmetic on them (NumpyOps._decode_over,
+_causal_attention), so a paged step gives the dense step's numbers.
 
 A quantized pool (quant.kv.QuantizedKV [num_blocks, Hkv, bs, hd]: the int8/int4 rows in blocks) and top-k decode
 attention go through `through_dense`, on both backends: the sequences' blocks gathered, still quantized, into a
@@ -166,38 +167,3 @@ def step_memo(ops, step, name, make):
     if name not in memo[1]:
         memo[1][name] = make()
     return memo[1][name]
-
-
-def paged_decode_attention(q, pool_k, pool_v, tables, lengths, scale: float):
-    """One new token per sequence, its K and V already appended: q [S, H, hd], tables [S, B] int (-1 past a
-    sequence's blocks), lengths [S] positions each attends over -> [S, H*hd] float32."""
-    S, heads, hd = q.shape
-    kv_heads, bs = pool_k.shape[1], pool_k.shape[2]
-    tables = np.asarray(tables)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    L = tables.shape[1] * bs
-    valid = np.arange(L)[None, :] < lengths[:, None]                                  # [S, L]
-    keys = _masked(_gather(pool_k, tables, L), valid)                                 # [S, Hkv, L, hd]
-    qg = (q.astype(F32) * F32(scale)).reshape(S, kv_heads, heads // kv_heads, hd)     # [S, Hkv, g, hd]
-    scores = qg @ keys.transpose(0, 1, 3, 2)                                          # [S, Hkv, g, L]
-    scores += np.where(valid, F32(0), F32(-np.inf))[:, None, None, :]
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    values = _masked(_gather(pool_v, tables, L), valid)
-    return (probs @ values).reshape(S, heads * hd)                                    # [S, Hkv, g, hd] -> [S, H hd]
-
-
-def _gather(pool, tables, L: int):
-    """[S, B] block tables -> [S, Hkv, L, hd] float32: the first L positions of each sequence's blocks, in order
-    (a table's -1 padding reads block 0: positions past a sequence's length are the caller's to mask)."""
-    S = tables.shape[0]
-    _, kv_heads, bs, hd = pool.shape
-    B = -(-L // bs)                                                                   # blocks that hold L positions
-    rows = pool[np.maximum(tables[:, :B], 0)]                                         # [S, B, Hkv, bs, hd]
-    return rows.transpose(0, 2, 1, 3, 4).reshape(S, kv_heads, B * bs, hd)[:, :, :L].astype(F32, copy=False)
-
-
-def _masked(rows, valid):
-    """rows [S, Hkv, L, hd] with the positions where valid [S, L] is False zeroed."""
-    return np.where(valid[:, None, :, None], rows, F32(0))

@@ -13,9 +13,10 @@ from hpcinfer.backend import compiled_attention
 from hpcinfer.backend.cpu_kernels import NUMBA_ERROR
 from hpcinfer.backend.interface import StepLayout
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.backend.paged_attention import paged_append, paged_decode_attention
+from hpcinfer.backend.paged_attention import paged_append
 from hpcinfer.generate.block_manager import BlockPool, BlockTables
 from hpcinfer.quant.kv import NO_SCALES, QuantizedKV, kv_format
+from paged_reference import paged_decode_attention
 
 pytestmark = pytest.mark.skipif(NUMBA_ERROR is not None, reason=f"numba does not import: {NUMBA_ERROR}")
 F32 = np.float32

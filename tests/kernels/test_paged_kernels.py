@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from hpcinfer.backend.numpy_ops import NumpyOps
-from hpcinfer.backend.paged_attention import paged_append, paged_decode_attention
+from hpcinfer.backend.paged_attention import paged_append
 from hpcinfer.kernels import loader
 import kernel_emulator as emulate
+from paged_reference import paged_decode_attention
 
 F32 = np.float32
 EMU_SKIP = emulate.unavailable()
