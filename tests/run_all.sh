@@ -102,15 +102,17 @@ record() {
     RUN_LINES+=("$([ "$ok" = 0 ] && echo ok || echo FAILED) - passed $passed, failed $failed, skipped $skipped$note")
 }
 
-# The compile caches every suite reads (tests/helpers/warm_caches.py), filled once by two processes before the
+# The compile caches every suite reads (tests/helpers/warm_caches.py), filled once by three processes before the
 # suites start, instead of by each test process at once on a fresh clone. A failure here is reported, not fatal:
 # the tests that need the kernels then fail, saying why.
 warm_caches() {
     local warm=(env "PYTHONPATH=tests/helpers${PYTHONPATH:+:$PYTHONPATH}" "$PY" tests/helpers/warm_caches.py) rc=0
     echo "=== [compile caches] ${warm[*]:1}"
-    "${warm[@]}" attention </dev/null & local attention=$!
+    "${warm[@]}" float </dev/null & local float=$!
+    "${warm[@]}" quantized </dev/null & local quantized=$!
     "${warm[@]}" rest </dev/null || rc=$?
-    wait "$attention" || rc=$?
+    wait "$float" || rc=$?
+    wait "$quantized" || rc=$?
     [ "$rc" = 0 ] || echo "!!! warm_caches.py exited $rc: the suites compile for themselves"
 }
 

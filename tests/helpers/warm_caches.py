@@ -23,24 +23,24 @@ from hpcinfer.backend.numpy_ops import NumpyOps
 from hpcinfer.quant.kv import QuantizedKV, kv_format
 
 
-def attention_kernels() -> None:
-    """One decode step and one prefill step over each store kind, dense attention and top-k."""
+def attention_kernels(mode: str) -> None:
+    """One decode step and one prefill step over a store of `mode` ("none": float32; "int8", whose uint8 arrays are
+    int4's signature too), dense attention and top-k."""
     rng = np.random.default_rng(0)
     heads, kv_heads, hd, lmax = 4, 2, 32, 16
     ops = NumpyOps(1, "numba")
-    for mode in ("none", "int8"):                    # int4 stores uint8 too: int8's signature
-        for topk in (0.0, 0.5):
-            for counts in ([1, 1], [3, 2]):
-                caches = [rng.standard_normal((2, kv_heads, lmax, hd), dtype=np.float32) for _ in range(2)]
-                if mode != "none":
-                    caches = [QuantizedKV.zeros(ops, kv_format(mode, 32, hd), c.shape) for c in caches]
-                T = sum(counts)
-                q = rng.standard_normal((T, heads, hd), dtype=np.float32)
-                k, v = (rng.standard_normal((T, kv_heads, hd), dtype=np.float32) for _ in range(2))
-                ops.attention(q, k, v, *caches, StepLayout.build([0, 1], [4, 5], counts), 0.3, topk)
+    for topk in (0.0, 0.5):
+        for counts in ([1, 1], [3, 2]):
+            caches = [rng.standard_normal((2, kv_heads, lmax, hd), dtype=np.float32) for _ in range(2)]
+            if mode != "none":
+                caches = [QuantizedKV.zeros(ops, kv_format(mode, 32, hd), c.shape) for c in caches]
+            T = sum(counts)
+            q = rng.standard_normal((T, heads, hd), dtype=np.float32)
+            k, v = (rng.standard_normal((T, kv_heads, hd), dtype=np.float32) for _ in range(2))
+            ops.attention(q, k, v, *caches, StepLayout.build([0, 1], [4, 5], counts), 0.3, topk)
 
-
-PARTS = ("attention", "rest")     # the attention kernels (most of the compile time), everything else: two processes
+PARTS = ("float", "quantized", "rest")   # the attention kernels over float and over quantized stores (most of the
+                                         # compile time), everything else: three processes
 
 
 def main(parts: list[str]) -> int:
@@ -52,9 +52,10 @@ def main(parts: list[str]) -> int:
     if "rest" in parts and NUMBA_ERROR is None:
         compiled.warm_up()
         done.append("the Numba GEMMs")
-    if "attention" in parts and NUMBA_ERROR is None:
-        attention_kernels()
-        done.append("the Numba attention kernels")
+    for part, mode in (("float", "none"), ("quantized", "int8")):
+        if part in parts and NUMBA_ERROR is None:
+            attention_kernels(mode)
+            done.append(f"the Numba attention kernels over {part} stores")
     print(f"warm_caches: {', '.join(done) or 'nothing to warm'} in {time.perf_counter() - start:.1f} s", flush=True)
     return 0
 
