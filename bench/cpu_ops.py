@@ -135,11 +135,11 @@ def decode_rows(steps: Steps, batch: int, contexts: list, repeats: int) -> list:
     return rows
 
 
-def attention_rows(model, batch: int, contexts: list, repeats: int, block: int = BLOCK) -> list:
+def attention_rows(model, batch: int, contexts: list, repeats: int, blocks: tuple = (BLOCK,)) -> list:
     """Decode attention alone (ops.attention over every layer, one new token for each of `batch` sequences), with
-    cpu_kernels numpy and numba, over the dense slot store and the paged pool (blocks of `block` in a shuffled
-    order, as a running pool hands them out), interleaved ABAB per context (medians of `repeats`): ms and GB/s of
-    K/V read (the bytes decode_rows counts)."""
+    cpu_kernels numpy and numba, over the dense slot store and the paged pool (blocks of each size of `blocks`, in a
+    shuffled order, as a running pool hands them out), interleaved ABAB per context (medians of `repeats`): ms and
+    GB/s of K/V read (the bytes decode_rows counts)."""
     ops, arch, layers = model.ops, model.arch, model.num_local_layers
     kv_heads, hd = model.kv_heads_local, arch.head_dim
     heads = kv_heads * (arch.num_heads // arch.num_kv_heads)
@@ -148,20 +148,13 @@ def attention_rows(model, batch: int, contexts: list, repeats: int, block: int =
     for context in contexts:
         length = context + 1
         dense = [rng.standard_normal((2, batch, kv_heads, length, hd), dtype=np.float32) for _ in range(layers)]
-        per_seq = -(-length // block)
-        order = rng.permutation(batch * per_seq)                                      # the pool's blocks, shuffled
-        pools = [np.zeros((2, batch * per_seq, kv_heads, block, hd), dtype=np.float32) for _ in range(layers)]
-        for d, p in zip(dense, pools):
-            padded = np.zeros((2, batch, kv_heads, per_seq * block, hd), dtype=np.float32)
-            padded[..., :length, :] = d
-            p[:, order] = padded.reshape(2, batch, kv_heads, per_seq, block, hd).transpose(0, 1, 3, 2, 4, 5) \
-                .reshape(2, batch * per_seq, kv_heads, block, hd)
-        steps = {"slots": StepLayout.build(np.arange(batch), [context] * batch, [1] * batch),
-                 "paged": StepLayout.paged(order.reshape(batch, per_seq), block, [context] * batch, [1] * batch)}
-        caches = {"slots": dense, "paged": pools}
+        steps = {"slots": StepLayout.build(np.arange(batch), [context] * batch, [1] * batch)}
+        caches = {"slots": dense}
+        for block in blocks:
+            caches[f"paged bs{block}"], steps[f"paged bs{block}"] = _paged_copy(dense, batch, length, block, rng)
         q = rng.standard_normal((batch, heads, hd), dtype=np.float32)
         k, v = (rng.standard_normal((batch, kv_heads, hd), dtype=np.float32) for _ in range(2))
-        runs = {(kernels, store): [] for kernels in ("numpy", "numba") for store in ("slots", "paged")}
+        runs = {(kernels, store): [] for kernels in ("numpy", "numba") for store in caches}
         for _ in range(repeats + 1):                                                  # the first round warms up
             for kernels, store in runs:
                 ops.cpu_kernels = kernels
@@ -176,8 +169,24 @@ def attention_rows(model, batch: int, contexts: list, repeats: int, block: int =
             rows.append({"batch": batch, "context": context, "kernels": kernels, "store": store,
                          "ms": seconds * 1e3, "kv_bytes": kv_bytes, "GBps": kv_bytes / seconds / 1e9})
         log(f"decode attention b{batch} ctx {context}: " + ", ".join(
-            f"{r['kernels']} {r['store']} {r['ms']:.1f} ms" for r in rows[-4:]))
+            f"{r['kernels']} {r['store']} {r['ms']:.1f} ms" for r in rows[-len(runs):]))
     return rows
+
+
+def _paged_copy(dense, batch: int, length: int, block: int, rng) -> tuple:
+    """The rows of `dense` (per layer [2, S, Hkv, length, hd]) in pools of `block`-position blocks, handed out in a
+    shuffled order -> (the pools per layer [2, blocks, Hkv, block, hd], the paged decode step over them)."""
+    _, _, kv_heads, _, hd = dense[0].shape
+    per_seq = -(-length // block)
+    order = rng.permutation(batch * per_seq)                                          # the pool's blocks, shuffled
+    pools = [np.zeros((2, batch * per_seq, kv_heads, block, hd), dtype=np.float32) for _ in dense]
+    for d, p in zip(dense, pools):
+        padded = np.zeros((2, batch, kv_heads, per_seq * block, hd), dtype=np.float32)
+        padded[..., :length, :] = d
+        p[:, order] = padded.reshape(2, batch, kv_heads, per_seq, block, hd).transpose(0, 1, 3, 2, 4, 5) \
+            .reshape(2, batch * per_seq, kv_heads, block, hd)
+    context = length - 1
+    return pools, StepLayout.paged(order.reshape(batch, per_seq), block, [context] * batch, [1] * batch)
 
 
 def prefill_rows(steps: Steps, shapes: list, repeats: int, hf, kernels: str = "numba") -> list:
@@ -295,7 +304,7 @@ def report(result: dict) -> str:
                      f"| {ops['attention']:.1f} ({r['attention_GBps']:.1f}, {r['attention_GBps'] / bw:.0%}) | {rest:.1f} |")
     if result.get("attention"):
         lines += ["", "Decode attention alone (ops.attention over every layer, 1 token per sequence), cpu_kernels numpy "
-                  "vs numba, over the dense slot store and the paged pool (shuffled blocks):", "",
+                  "vs numba, over the dense slot store and the paged pool (shuffled blocks of bs positions):", "",
                   "| decode attention | kernels | store | ms | GB/s of K/V | share of read bandwidth |",
                   "|---|---|---|---|---|---|"]
         for r in result["attention"]:
@@ -342,6 +351,8 @@ def main(argv=None) -> int:
                    help="the KV store: NumPy's dense slots (what `hpcinfer run` uses) or the paged pool")
     p.add_argument("--cpu-kernels", choices=("auto", "numba", "numpy"), default="auto",
                    help="[runtime] cpu_kernels of the decode and prefill steps (the projections table runs both)")
+    p.add_argument("--attention-blocks", default=str(BLOCK),
+                   help="block sizes of the paged pools in the attention-alone table, e.g. 16,128")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
@@ -359,7 +370,8 @@ def main(argv=None) -> int:
               "bandwidth_GBps": bandwidth, "bandwidth_kernels_GBps": kernels, "store": args.store,
               "cpu_kernels": steps.model.ops.cpu_kernels}
     result["decode"] = decode_rows(steps, args.batch, contexts, args.repeats)
-    result["attention"] = attention_rows(steps.model, args.batch, contexts, args.repeats)
+    blocks = tuple(int(x) for x in args.attention_blocks.split(",") if x)
+    result["attention"] = attention_rows(steps.model, args.batch, contexts, args.repeats, blocks)
     result["gemm"] = gemm_rows(steps.model, [int(x) for x in args.gemm.split(",") if x], args.repeats, bandwidth,
                                result["threads"])
     hf = None if args.no_hf else Transformers(str(GGUF))

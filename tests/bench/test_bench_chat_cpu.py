@@ -97,10 +97,10 @@ def test_weight_matrices_are_every_matrix_a_decode_step_multiplies_by_once():
 
 def test_attention_rows_time_both_settings_over_both_stores():
     """cpu_ops.attention_rows (decode attention alone, issue 31): numpy and numba over the slot store and the paged
-    pool, every row with its K/V bytes; the ops are left on numba."""
+    pool of each block size, every row with its K/V bytes; the ops are left on numba."""
     model = Decoder(NumpyOps(1, "numba"), Groups(), PRESETS["tiny-dense"]).load(open_preset("tiny-dense"))
-    rows = attention_rows(model, 3, [5, 20], 1, block=4)
+    rows = attention_rows(model, 3, [5, 20], 1, blocks=(4, 16))
     assert {(r["context"], r["kernels"], r["store"]) for r in rows} == {
-        (c, k, s) for c in (5, 20) for k in ("numpy", "numba") for s in ("slots", "paged")}
+        (c, k, s) for c in (5, 20) for k in ("numpy", "numba") for s in ("slots", "paged bs4", "paged bs16")}
     assert all(r["GBps"] > 0 and r["kv_bytes"] == rows[0]["kv_bytes"] * (r["context"] + 1) // 6 for r in rows)
     assert model.ops.cpu_kernels == "numba"
