@@ -173,6 +173,33 @@ def test_threads_do_not_change_a_bit():
     np.testing.assert_array_equal(one, two)
 
 
+@pytest.mark.parametrize("block_size", [64, 128, 256])
+def test_a_pool_of_whole_chunks_reads_the_slots_bits(block_size):
+    """Blocks of a multiple of the kernels' chunk (CHUNK keys) cut a sequence's positions where the slots' one block
+    does, so decode over such a pool (blocks shuffled) gives the dense slots' bits: the ground on which a CPU pool
+    of 256-position blocks can replace the slot store without changing a token (docs/cpu-attention.md)."""
+    assert block_size % compiled_attention.kernels.CHUNK == 0
+    rng = np.random.default_rng(block_size)
+    S, kv_heads, hd, lengths = 3, 2, 64, [300, 45, 129]                      # cached positions before the step
+    lmax = max(lengths) + 1
+    dense = [dense_cache(rng, S, kv_heads, lmax, hd) for _ in range(2)]
+    per_seq = -(-lmax // block_size)
+    order = rng.permutation(S * per_seq)                                     # the pool's blocks, shuffled
+    pools = []
+    for cache in dense:
+        padded = np.zeros((S, kv_heads, per_seq * block_size, hd), dtype=F32)
+        padded[:, :, :lmax] = cache
+        pool = np.zeros((S * per_seq, kv_heads, block_size, hd), dtype=F32)
+        pool[order] = padded.reshape(S, kv_heads, per_seq, block_size, hd).transpose(0, 2, 1, 3, 4) \
+            .reshape(S * per_seq, kv_heads, block_size, hd)
+        pools.append(pool)
+    q, k, v = step_rows(rng, [1] * S, 6, kv_heads, hd)
+    ops = NumpyOps(2, "numba")
+    want = ops.attention(q, k, v, *dense, StepLayout.build(range(S), lengths, [1] * S), 0.3)
+    paged = StepLayout.paged(order.reshape(S, per_seq), block_size, lengths, [1] * S)
+    np.testing.assert_array_equal(ops.attention(q, k, v, *pools, paged, 0.3), want)
+
+
 def test_numpy_setting_never_calls_the_kernels(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the numpy setting reached the compiled kernels")
