@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant.kv import kv_map, kv_parts, kv_rows
+from ..quant.kv import kv_rows
 from . import kv_attention
 from .interface import StepLayout
 
@@ -140,10 +140,10 @@ class DensePart:
         """q [T', H, hd]; k, v [T', Hkv, hd] -> [T', H*hd]; the new rows end up in the pools."""
         xp = getattr(ops, "xp", np)
         take = lambda a: xp.take(a.reshape(-1, a.shape[-1]), self.gather, axis=0)     # [S', Hkv, L, X]
-        scratch_k, scratch_v = (kv_map(pool, take) for pool in (pool_k, pool_v))
+        scratch_k, scratch_v = (kv_rows(pool).map(take) for pool in (pool_k, pool_v))
         out = dense_attention(ops, q, k, v, scratch_k, scratch_v, self.dense, scale, topk)
         for pool, scratch in ((pool_k, scratch_k), (pool_v, scratch_v)):
-            for dst, src in zip(kv_parts(pool), kv_parts(scratch)):
+            for dst, src in zip(kv_rows(pool).parts(), kv_rows(scratch).parts()):
                 dst.reshape(-1, dst.shape[-1])[self.dst] = src.reshape(-1, src.shape[-1])[self.src]
         return out
 

@@ -11,7 +11,7 @@ import numpy as np
 from ..backend.kv_attention import SplitRows
 from ..backend.numpy_ops import NumpyOps
 from ..offload.sizes import device_rows
-from ..quant.kv import kv_map, kv_parts
+from ..quant.kv import kv_rows
 from .kv_cache import KVCache
 
 
@@ -153,9 +153,9 @@ class HostKV:
     def _pairs(self, rows: KVCache, layer: int, b: int, slot: int, positions: slice, staged_rows: slice):
         window = (slice(None), slice(None), positions)
         staging, n = self.staging[slot], self.sizes[b]
-        own = [p for part in (rows.k[layer], rows.v[layer]) for p in kv_parts(part[window])]
+        own = [p for part in (rows.k[layer], rows.v[layer]) for p in kv_rows(part[window]).parts()]
         staged = [p for part in (staging.k[0][:n], staging.v[0][:n])
-                  for p in kv_parts(_as_rows(part)[staged_rows][window])]
+                  for p in kv_rows(_as_rows(part)[staged_rows][window]).parts()]
         return own, staged
 
 
@@ -163,7 +163,7 @@ def _as_rows(cache):
     """One layer's K or V of N sequences [N, Hkv, L, X] (each part of a QuantizedKV) as [N Hkv, 1, L, X] rows: a
     view, the arrays are contiguous."""
     flat = lambda a: a.reshape(a.shape[0] * a.shape[1], 1, *a.shape[2:])
-    return kv_map(cache, flat)
+    return kv_rows(cache).map(flat)
 
 
 class _SplitView:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..backend.interface import StepLayout
 from ..errors import ConfigError
-from ..quant.kv import KVFormat, QuantizedKV, kv_bytes_per_token, kv_map
+from ..quant.kv import KVFormat, QuantizedKV, kv_bytes_per_token, kv_rows
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,8 @@ class KVCache:
         self.slot_of[seq] = slot
         if seq in self.on_host:
             for i in self.pooled:
-                self.k[i][slot] = kv_map(self.host_k[i][seq], self.ops.asarray)
-                self.v[i][slot] = kv_map(self.host_v[i][seq], self.ops.asarray)
+                self.k[i][slot] = kv_rows(self.host_k[i][seq]).map(self.ops.asarray)
+                self.v[i][slot] = kv_rows(self.host_v[i][seq]).map(self.ops.asarray)
                 self.bytes_to_device += int(self.k[i][slot].nbytes) * 2
 
     def _evict(self, seq: int) -> None:
@@ -122,8 +122,8 @@ class KVCache:
             if self.host_k[i] is None:
                 self.host_k[i] = _host_zeros(self.k[i], self.n_seqs)
                 self.host_v[i] = _host_zeros(self.v[i], self.n_seqs)
-            self.host_k[i][seq] = kv_map(self.k[i][slot], self.ops.to_host)
-            self.host_v[i][seq] = kv_map(self.v[i][slot], self.ops.to_host)
+            self.host_k[i][seq] = kv_rows(self.k[i][slot]).map(self.ops.to_host)
+            self.host_v[i][seq] = kv_rows(self.v[i][slot]).map(self.ops.to_host)
             self.bytes_to_host += int(self.k[i][slot].nbytes) * 2
         self.on_host.add(seq)
         self.recent.remove(seq)
@@ -134,4 +134,4 @@ class KVCache:
 def _host_zeros(like, n: int):
     """A host store of n sequences shaped like one layer's device K or V (float array or QuantizedKV), in its
     dtypes."""
-    return kv_map(like, lambda a: np.zeros((n, *a.shape[1:]), a.dtype))
+    return kv_rows(like).map(lambda a: np.zeros((n, *a.shape[1:]), a.dtype))

@@ -124,10 +124,11 @@ class FloatKV:
 
     The interface, both kinds: quantized, exact (the store holds a row as given, so a step's new rows may be stored
     before they are read back; a quantized store would round them: they are attended as given, stored after),
-    group (values per scale), bits (per value), shape, nbytes, parts() (the stored arrays), map(fn) (fn on each stored array: a float
-    array stays a plain array), read(index, out, scratch) (float rows at index: a view of a float store where
-    index is basic and no `out` is given), kernel_arrays() (values, scales, mins as the compiled kernels read them),
-    encoded(fmt) (these rows as a store of format fmt holds them)."""
+    group (values per scale), bits (per value), shape, nbytes, parts() (the stored arrays), map(fn) (the rows with
+    fn applied to each stored array: a slot taken, a view reshaped, moved to host or device; a float array stays a
+    plain array), read(index, out, scratch) (float rows at index: a view of a float store where index is basic and
+    no `out` is given), kernel_arrays() (values, scales, mins as the compiled kernels read them), encoded(fmt)
+    (these rows as a store of format fmt holds them)."""
 
     quantized, exact, group, bits = False, True, 1, 32
 
@@ -229,17 +230,6 @@ def kv_rows(rows) -> FloatKV | QuantizedKV:
     """KV rows as they are stored, through the one interface of both kinds: a QuantizedKV as it is, a float array
     (or float rows to store) as a FloatKV view."""
     return rows if isinstance(rows, QuantizedKV) else FloatKV(rows)
-
-
-def kv_parts(rows) -> tuple:
-    """The stored arrays of KV rows: (q, scale, min) of a QuantizedKV, or (the float array,)."""
-    return kv_rows(rows).parts()
-
-
-def kv_map(rows, fn):
-    """KV rows with fn applied to each stored array (a slot taken, a view reshaped, moved to host or device): a
-    QuantizedKV stays one, a float array becomes fn's result."""
-    return kv_rows(rows).map(fn)
 
 
 def kv_bytes_per_token(kv_heads: int, head_dim: int, layers: int, kv_format: KVFormat | None = None) -> int:

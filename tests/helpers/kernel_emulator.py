@@ -19,6 +19,7 @@ judges. Needs g++ (C++20) and CUDA toolkit headers (cuda_fp16.h with crt/host_de
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -164,6 +165,7 @@ def build_source(code: str, defines: dict | None = None, label: str = "source",
                   [EMU_HEADER.read_text(), *(p.read_text() for p in sorted(CUDA_SRC.glob("*.cuh")))])
 
 
+@functools.cache
 def precompiled_header() -> Path:
     """cuda_emu.h as `-include` should name it: a copy beside its precompiled form (gcc takes X.gch for an
     `-include X` found beside it, and falls back to X itself, with a -Winvalid-pch warning, where the .gch does not

@@ -12,7 +12,7 @@ from hpcinfer.config import load_config
 from hpcinfer.errors import ConfigError
 from hpcinfer.generate.kv_cache import KVCache, KVOffload
 from hpcinfer.quant.formats import QuantError
-from hpcinfer.quant.kv import kv_bytes_per_token
+from hpcinfer.quant.kv import FloatKV, QuantizedKV, kv_bytes_per_token, kv_format, kv_rows
 from hpcinfer.quant.kv import QuantizedKV, dequantize_rows, kv_format, quantize_rows
 
 OPS = NumpyOps()
@@ -294,3 +294,29 @@ def test_cuda_backend_accepts_kv_cache_topk_and_quantized_weights(tmp_path):
         config = load_config(_config(tmp_path, model, generate))
         check_quantization(config, open_preset("tiny-dense"), cupy)
         check_quantization(config, open_preset("tiny-dense"), OPS)
+
+
+def test_kv_rows_reads_float_and_quantized_stores_alike():
+    """quant.kv.kv_rows: a float array as a FloatKV view (reads are views where the index is basic, maps give plain
+    arrays, kernel arrays carry no scales), a QuantizedKV as itself; rows of one format store into another only
+    through float (encoded)."""
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((2, 3, 8, 64), dtype=np.float32)
+    rows = kv_rows(dense)
+    assert isinstance(rows, FloatKV) and (rows.quantized, rows.exact, rows.group, rows.bits) == (False, True, 1, 32)
+    assert np.shares_memory(rows.read((1, slice(None), slice(0, 4))), dense)
+    out = np.empty((3, 4, 64), np.float32)
+    assert rows.read((1, slice(None), slice(0, 4)), out=out) is out and np.array_equal(out, dense[1, :, :4])
+    assert isinstance(rows.map(np.copy), np.ndarray) and rows.parts()[0] is dense
+    values, scales, mins = rows.kernel_arrays()
+    assert values is dense and scales.size == mins.size == 0
+    int4 = kv_format("int4", 32, 64)
+    cache = QuantizedKV.zeros(NumpyOps(), int4, dense.shape)
+    cache[:] = dense                                                     # float rows, quantized as stored
+    assert kv_rows(cache) is cache and (cache.quantized, cache.exact, cache.group, cache.bits) == (True, False, 32, 4)
+    assert isinstance(kv_rows(cache).map(np.copy), QuantizedKV)
+    np.testing.assert_allclose(cache.read(np.s_[:]), dense, atol=float(np.abs(dense).max()) / 7)
+    assert kv_rows(cache).kernel_arrays()[1].dtype == np.uint16
+    other = QuantizedKV.zeros(NumpyOps(), kv_format("int8", 32, 64), dense.shape)
+    with pytest.raises(QuantError, match="cannot be stored as"):
+        other[:] = cache
