@@ -4,11 +4,24 @@
 library": mpi4py is there, but the MPI shared library it was built or configured for is not findable, e.g. the
 mpich wheel installed with `pip install --target`, which drops its lib/ folder; docs/gpu.md). Both become a
 ConfigError naming the fix, so `hpcinfer run` exits with one line instead of a traceback.
+
+The first import initializes MPI (MPI_Init_thread), which waits on the launcher's process manager: a PMI exchange
+that never completes would hold every rank until the job's time limit. It runs under a deadline,
+HPCINFER_MPI_INIT_TIMEOUT seconds (default 300; 0: none): past it the process prints each thread's stack
+("Timeout (0:05:00)!", then the frames, the innermost in load_mpi) and exits 1, so srun --kill-on-bad-exit ends
+the step. faulthandler's timer is a C thread: MPI_Init holds the GIL, so a Python thread could not fire.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+
 from ..errors import ConfigError
+
+MPI_INIT_TIMEOUT_ENV = "HPCINFER_MPI_INIT_TIMEOUT"
+DEFAULT_MPI_INIT_TIMEOUT_S = 300.0
 
 # What a process manager (Hydra, Slurm's PMI/PMIx, Open MPI's orterun) sets for the ranks it starts: a job started
 # from inside a rank (a test, a benchmark cell) must not inherit them, or it would try to join the outer job.
@@ -26,10 +39,29 @@ def launcher_free_env(env) -> dict:
     return {k: v for k, v in env.items() if k in USER_MPI_SETTINGS or not k.startswith(LAUNCHER_ENV_PREFIXES)}
 
 
-def load_mpi():
-    """mpi4py.MPI, or a ConfigError saying which part is missing and how to get it."""
+def mpi_init_timeout(env=os.environ) -> float:
+    """HPCINFER_MPI_INIT_TIMEOUT in seconds (0: no deadline), or a ConfigError naming the variable."""
+    text = env.get(MPI_INIT_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_MPI_INIT_TIMEOUT_S
     try:
-        from mpi4py import MPI
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ConfigError(f"{MPI_INIT_TIMEOUT_ENV}={text!r}: expected a number of seconds >= 0 (0: no deadline on "
+                          f"MPI_Init)")
+    return seconds
+
+
+def load_mpi():
+    """mpi4py.MPI, or a ConfigError saying which part is missing and how to get it. The call that initializes MPI
+    does it under the HPCINFER_MPI_INIT_TIMEOUT deadline (module docstring)."""
+    deadline = mpi_init_timeout() if "mpi4py.MPI" not in sys.modules and sys.__stderr__ is not None else 0.0
+    if deadline:                                     # the process's own stderr (sys.stderr may be a capture)
+        faulthandler.dump_traceback_later(deadline, exit=True, file=sys.__stderr__)
+    try:
+        from mpi4py import MPI                       # MPI_Init_thread: a timeout here means the PMI exchange hung
     except ImportError as exc:
         raise ConfigError(f"mpi4py is not installed ({exc}): pip install mpi4py mpich (or build mpi4py against "
                           f"your cluster's MPI); see docs/slurm.md") from None
@@ -37,4 +69,7 @@ def load_mpi():
         raise ConfigError(f"mpi4py cannot load an MPI library ({exc}): install one (pip install mpich, or load "
                           f"your cluster's MPI module) and make its lib/ folder findable (LD_LIBRARY_PATH); "
                           f"see docs/gpu.md") from None
+    finally:
+        if deadline:
+            faulthandler.cancel_dump_traceback_later()
     return MPI

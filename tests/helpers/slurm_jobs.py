@@ -4,6 +4,7 @@ prompt files, submission and what to read back (tests/slurm/)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -49,3 +50,29 @@ def read_log(path: Path) -> str:
 
 def output_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+# A two-node start through Slurm 22.05's pmi2 plugin fails now and then, for reasons outside hpcinfer (found
+# 2026-12-02 with strace; docs/slurm.md "Known issue"): MPICH 5.0.2's UCX netmod puts a 4,096-byte business card
+# per node root in PMI-1 segments ("FIXME: use the actual addrname_len"), the bytes after the real address being
+# whatever memory follows it, so a segment's run-length-encoded line is sometimes longer than 1,024 bytes, and
+# slurmstepd reads a PMI-1 request with one read() of at most 1,024 ("TODO: read until newline"): the rest of the
+# line is taken for a new request, the KVS holds a cut address, and a rank aborts in UCX or waits in MPI_Init. About
+# 1 start in 8 of pipeline-2node.slurm here; never a 1-node start (no cards are exchanged). These signatures, and
+# only these, get another start.
+MPI_START_FAILURES = re.compile(r"mpi/pmi2: invalid client request|UCP_OBJECT_VERSION_V2|"
+                                r"Timeout \(0:0\d:\d\d(\.\d+)?\)!")
+START_ATTEMPTS = 3
+TWO_NODE_INIT_TIMEOUT_S = 60                  # HPCINFER_MPI_INIT_TIMEOUT of a two-node start: a hang fails at once
+
+
+def submit_started(cluster, script: str, out: Path, env: dict, timeout: float) -> tuple[str, Path, dict]:
+    """submit() and wait for the end, again (up to START_ATTEMPTS) while the job failed only at MPI start-up
+    (MPI_START_FAILURES); returns the last (job id, log path, scontrol's job record)."""
+    env = {"HPCINFER_MPI_INIT_TIMEOUT": str(TWO_NODE_INIT_TIMEOUT_S), **env}
+    for attempt in range(1, START_ATTEMPTS + 1):
+        job, log = submit(cluster, script, out, env)
+        info = cluster.wait_done(job, timeout=timeout)
+        if info["JobState"] == "COMPLETED" or attempt == START_ATTEMPTS or not MPI_START_FAILURES.search(read_log(log)):
+            return job, log, info
+        print(f"job {job} failed at MPI start-up (attempt {attempt}, docs/slurm.md known issue): started again")

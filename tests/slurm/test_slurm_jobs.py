@@ -5,6 +5,8 @@ through the variables of lib.sh (HPCINFER_SET, HPCINFER_MODEL, HPCINFER_OUT), as
 One node (16 CPUs and a GPU declared): demo.slurm, offload-1gpu.slurm; requeue.slurm has its own file
 (test_slurm_requeue.py). Two nodes (two slurmd on this host): pipeline-2node.slurm, embed-dp.slurm.
 moe-1.3b-128.slurm asks for 16 nodes x 8 ranks: it is not run here (tests/cli/test_jobs.py runs it scaled down).
+A two-node job that fails at MPI start-up through the third-party fault of slurm_jobs.MPI_START_FAILURES is started
+again (3 starts at most); any other failure fails the test.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 
 import pytest
 
-from slurm_jobs import JOBS, SMOLLM2, job_env, output_ids, read_log, sets, submit, token_prompts
+from slurm_jobs import JOBS, SMOLLM2, job_env, output_ids, read_log, sets, submit, submit_started, token_prompts
 
 ONE_NODE = {"demo.slurm", "offload-1gpu.slurm", "requeue.slurm"}
 TWO_NODES = {"pipeline-2node.slurm", "embed-dp.slurm"}
@@ -31,8 +33,9 @@ def _chat_prompts(path, ids):
     return path
 
 
-def _assert_completed(cluster, job, log, timeout) -> str:
-    info = cluster.wait_done(job, timeout=timeout)
+def _assert_completed(cluster, job, log, timeout=None, info=None) -> str:
+    """The job's log, once it ended COMPLETED with exit code 0 and no restart (info: its record, if waited for)."""
+    info = info if info is not None else cluster.wait_done(job, timeout=timeout)
     text = read_log(log)
     if (info["JobState"], info["ExitCode"], info["Restarts"]) != ("COMPLETED", "0:0", "0"):
         pytest.fail(f"job {job}: {info}\n--- its log ---\n{text}\n--- the daemons' logs ---\n{cluster.log_tails()}")
@@ -85,8 +88,8 @@ def test_pipeline_2node(slurm_2node, tiny_tp3_ckpt, tmp_path):
     env = job_env(HPCINFER_MODEL=str(tiny_tp3_ckpt), HPCINFER_OUT=str(tmp_path),
                   HPCINFER_SET=sets(f"generate.prompts={prompts}", f"generate.output={tmp_path}/pp.jsonl",
                                     f"generate.metrics={tmp_path}/m.json", "generate.max_new_tokens=4"))
-    job, log = submit(slurm_2node, "pipeline-2node.slurm", tmp_path, env)
-    text = _assert_completed(slurm_2node, job, log, timeout=240)
+    job, log, info = submit_started(slurm_2node, "pipeline-2node.slurm", tmp_path, env, timeout=240)
+    text = _assert_completed(slurm_2node, job, log, info=info)
     assert slurm_2node.job(job)["NodeList"] == "n[1-2]"
     assert "hpcinfer: 6 ranks on 2 node(s), mesh pp=2 dp=1 tp=3" in text, text
     for rank in range(6):
@@ -102,8 +105,8 @@ def test_embed_dp_2node(slurm_2node, tiny_bert_ckpt, tmp_path):
                               for i, t in enumerate(["a man is eating", "the girl", "two men", "hi", "a dog"])))
     env = job_env(HPCINFER_MODEL=str(tiny_bert_ckpt), EMBED_INPUTS=str(inputs), HPCINFER_OUT=str(tmp_path),
                   HPCINFER_SET=sets("embed.batch_size=2", "embed.max_length=32"))
-    job, log = submit(slurm_2node, "embed-dp.slurm", tmp_path, env)
-    text = _assert_completed(slurm_2node, job, log, timeout=180)
+    job, log, info = submit_started(slurm_2node, "embed-dp.slurm", tmp_path, env, timeout=180)
+    text = _assert_completed(slurm_2node, job, log, info=info)
     assert slurm_2node.job(job)["NodeList"] == "n[1-2]"
     assert "hpcinfer: 4 ranks on 2 node(s), mesh pp=1 dp=4 tp=1" in text, text
     assert "hpcinfer: 5 inputs (" in text and (tmp_path / "embeddings.h5").exists(), text
