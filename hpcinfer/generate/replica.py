@@ -49,12 +49,10 @@ def run_share(runner: Runner, job, mesh, times: StepTimes, end_round=None, locks
     try:
         served = run_sequences(runner, runner.sequences([job.prompts[i].tokens for i in mine], mine), times, params,
                                cache, commits.after_step, lambda i: f"prompt {job.prompts[i].id!r} (line {i + 1} "
-                               f"of {g.prompts})", lockstep, graphs, link, end_round, groups)
+                               f"of {g.prompts})", lockstep, graphs, link, end_round, groups, finish=commits.finish)
     finally:
         if graphs is not None:
             graphs.close()                              # the graphs' private memory pool
-    if model.stage.is_first:
-        commits.finish()
     cache.report(times)
     return commits.results + served
 

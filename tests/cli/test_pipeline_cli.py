@@ -120,6 +120,16 @@ def test_every_pipeline_layout_writes_what_one_rank_writes(job, reference, tmp_p
     assert "hpcinfer: pipeline: stage 0 busy" in done.stdout
 
 
+def test_a_replica_with_no_prompt_keeps_its_stages_in_step(job, reference, tmp_path):
+    """pp = 2, dp = 2 and one prompt: replica 1's share is empty, and its first stage passes its commit point before
+    telling its second stage to stop (they once passed each other: a TypeError in BatchRounds.end)."""
+    one = tmp_path / "one.jsonl"
+    one.write_text((job.root / "prompts.jsonl").read_text().splitlines(keepends=True)[0])
+    done = job.run(tmp_path, "parallel.pp=2", f'generate.prompts="{one}"', n=4)
+    assert done.returncode == 0, done.stderr
+    assert output_records(tmp_path) == output_records(reference[1])[:1]
+
+
 def test_the_mesh_of_two_stages_by_hand(job, tmp_path):
     """pp=2 puts rank 0 on stage 0 and rank 1 on stage 1; with tp=2, ranks 0-1 are stage 0 and 2-3 stage 1."""
     done = job.run(tmp_path / "a", "parallel.pp=2", n=2)

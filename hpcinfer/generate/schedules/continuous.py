@@ -306,7 +306,7 @@ def run_continuous(runner: Runner, prompts: list, indices: list, times: StepTime
 
 def run_sequences(runner: Runner, seqs: list, times: StepTimes, params: ContinuousParams, cache,
                   after_step=lambda finished: False, name=lambda index: f"prompt {index}", lockstep=None,
-                  graphs=None, link=None, end_round=None, groups=None, prompt_logits=None) -> list:
+                  graphs=None, link=None, end_round=None, groups=None, prompt_logits=None, finish=None) -> list:
     """Generate for `seqs` under `params`' policy over `cache` (a kv_store.KVStore). On the first stage, every
     step's finished sequences go to `after_step` (the replica's commit points, replica.CommitPoints) as they end.
     With pp > 1 (`link`, a comm.pipeline.StageLink) the later stages serve the steps and call end_round(their
@@ -314,7 +314,9 @@ def run_sequences(runner: Runner, seqs: list, times: StepTimes, params: Continuo
     name(index): how an error names a prompt. lockstep: the dp group of MoE replicas, which step together.
     graphs: the captured paged decode steps over `cache` (generate/graphs.paged_decode_graphs), or None. groups:
     under the static policy, the sizes of the batches `seqs` enter in (default: batch_size at a time).
-    prompt_logits: a dict the last stage fills with each sequence's first-token logits [V], by index."""
+    prompt_logits: a dict the last stage fills with each sequence's first-token logits [V], by index. finish(): run
+    on the first stage when the schedule has ended, before the later stages are told to stop (the commit points
+    an empty share never reached: their end_round must find those stages still serving)."""
     check_fits(seqs, cache, name)
     runner.times = times                                # the run's steps are timed there (Runner.step)
     step_args = (runner, cache, seqs, times, graphs, prompt_logits)
@@ -324,6 +326,8 @@ def run_sequences(runner: Runner, seqs: list, times: StepTimes, params: Continuo
         stage = LocalStage(*step_args) if link is None else FirstStage(StageStep(*step_args), link)
         try:
             ContinuousScheduler(stage, cache, seqs, params, times, after_step, lockstep, groups).run()
+            if finish is not None:
+                finish()
         finally:
             stage.close()
         return []
