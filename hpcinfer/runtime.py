@@ -124,13 +124,6 @@ def _run(world, config_path: str, overrides: list[str], restart: bool = False, s
     if job.skip:
         log.info("resuming %s: %d of %d prompts are already done", config.generate.output, len(job.skip),
                  len(job.prompts))
-    if len(job.skip) == len(job.prompts):                     # a finished job run again: nothing to load or run
-        if job.writer is not None:
-            job.writer.finish()                               # (in input order, should a stop have come after the
-        if rank == 0:                                         # last commit and before the final rewrite)
-            print(f"hpcinfer: nothing to run: all {len(job.prompts)} prompts have their results in "
-                  f"{config.generate.output} (`hpcinfer run --restart` generates them again)", flush=True)
-        return
     faults = Faults(rank)
     mesh, threads, ops, groups, comm = _compute_setup(world, config, config.parallel.pp, ranks_per_node)
 

@@ -184,15 +184,15 @@ def test_a_torn_line_is_dropped_and_redone(files, run_cli, reference, tmp_path):
 
 def test_a_finished_job_run_again_has_nothing_to_do(files, run_cli, reference, tmp_path):
     """pp = 2, where the stages once disagreed on the commit points of an empty share (a TypeError in
-    BatchRounds.end): the re-run loads nothing, says so, and leaves the output as it was."""
+    BatchRounds.end): the re-run generates nothing, says so, and leaves the output as it was."""
     root, config = files
     out = tmp_path / "out.jsonl"
     assert _run(run_cli, config, out, "parallel.pp=2").returncode == 0
     assert out.read_bytes() == reference                            # pp = 2 gives the very same tokens
     done = _run(run_cli, config, out, "parallel.pp=2")
     assert done.returncode == 0, done.stderr
-    assert "nothing to run: all 40 prompts have their results in" in done.stdout, done.stdout
-    assert "weights" not in done.stdout and out.read_bytes() == reference
+    assert "40 of 40 prompts are already done" in done.stderr, done.stderr
+    assert "40 of them done by an earlier run" in done.stdout and out.read_bytes() == reference, done.stdout
 
 
 def test_a_changed_job_is_refused_unless_restart(files, run_cli, reference, tmp_path):
