@@ -15,6 +15,7 @@ the step. faulthandler's timer is a C thread: MPI_Init holds the GIL, so a Pytho
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import sys
 
@@ -47,8 +48,8 @@ def mpi_init_timeout(env=os.environ) -> float:
     try:
         seconds = float(text)
     except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
         raise ConfigError(f"{MPI_INIT_TIMEOUT_ENV}={text!r}: expected a number of seconds >= 0 (0: no deadline on "
                           f"MPI_Init)")
     return seconds

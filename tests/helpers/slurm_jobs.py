@@ -57,9 +57,9 @@ def output_ids(path: Path) -> list[str]:
 # per node root in PMI-1 segments ("FIXME: use the actual addrname_len"), the bytes after the real address being
 # whatever memory follows it, so a segment's run-length-encoded line is sometimes longer than 1,024 bytes, and
 # slurmstepd reads a PMI-1 request with one read() of at most 1,024 ("TODO: read until newline"): the rest of the
-# line is taken for a new request, the KVS holds a cut address, and a rank aborts in UCX or waits in MPI_Init. About
-# 1 start in 8 of pipeline-2node.slurm here; never a 1-node start (no cards are exchanged). These signatures, and
-# only these, get another start.
+# line is taken for a new request, the KVS holds a cut address, and a rank aborts in UCX or waits in MPI_Init.
+# About 1 start in 6 of pipeline-2node.slurm here (11 of 70); a 1-node start exchanges no cards. These signatures,
+# and only these, get another start.
 MPI_START_FAILURES = re.compile(r"mpi/pmi2: invalid client request|UCP_OBJECT_VERSION_V2|"
                                 r"Timeout \(0:0\d:\d\d(\.\d+)?\)!")
 START_ATTEMPTS = 3
