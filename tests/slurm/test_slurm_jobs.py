@@ -5,7 +5,7 @@ through the variables of lib.sh (HPCINFER_SET, HPCINFER_MODEL, HPCINFER_OUT), as
 One node (16 CPUs and a GPU declared): demo.slurm, offload-1gpu.slurm; requeue.slurm has its own file
 (test_slurm_requeue.py). Two nodes (two slurmd on this host): pipeline-2node.slurm, embed-dp.slurm.
 moe-1.3b-128.slurm asks for 16 nodes x 8 ranks: it is not run here (tests/cli/test_jobs.py runs it scaled down).
-A two-node job that fails at MPI start-up through the third-party fault of slurm_jobs.MPI_START_FAILURES is started
+A two-node job whose log shows the third-party MPI start-up fault of slurm_jobs.MPI_START_FAILURES is started
 again (3 starts at most); any other failure fails the test.
 """
 

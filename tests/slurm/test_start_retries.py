@@ -1,6 +1,7 @@
 """slurm_jobs.submit_started against a recording stand-in for the cluster: a two-node job that failed with one of
-the known MPI start-up signatures (docs/slurm.md, "Known issue") is submitted again, at most START_ATTEMPTS times;
-any other failure, and a success, are returned at once. Runs without Slurm."""
+the known MPI start-up signatures in its log (docs/slurm.md, "Known issue") is submitted again, at most
+START_ATTEMPTS times, also when it completed all the same; any other failure, and a clean success, are returned at
+once. Runs without Slurm."""
 
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def test_a_start_up_failure_is_submitted_again(tmp_path, signature):
     assert (job, info["JobState"], len(cluster.envs)) == ("102", "COMPLETED", 2)
     assert log.read_text() == "hpcinfer: done\n"
     assert all(e["HPCINFER_MPI_INIT_TIMEOUT"] == "60" and e["A"] == "1" for e in cluster.envs)
+
+
+def test_a_completed_start_with_the_fault_in_its_log_is_submitted_again(tmp_path):
+    """The cut fell in the card's padding: the job completed, but its log holds slurmstepd's errors."""
+    cluster = Cluster(tmp_path, [("COMPLETED", PMI_CUT + "hpcinfer: done\n"), ("COMPLETED", "hpcinfer: done\n")])
+    job, log, info = submit_started(cluster, "embed-dp.slurm", tmp_path, {}, timeout=5)
+    assert (job, log.read_text(), len(cluster.envs)) == ("102", "hpcinfer: done\n", 2)
 
 
 def test_other_failures_and_endless_start_failures_are_returned(tmp_path):
